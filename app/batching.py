@@ -1,0 +1,85 @@
+"""Which samples each rank trains on: global batches, split across however many ranks there are."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data.distributed import DistributedSampler
+
+
+@dataclass(frozen=True)
+class Batch:
+    indices: torch.Tensor
+    """This rank's sample indices (may differ in length from other ranks' by one)."""
+    global_size: int
+    """Samples in the whole global batch, over all ranks: the loss is averaged over these."""
+
+
+class GlobalBatchSampler(DistributedSampler):
+    """Yields this rank's share of each global batch.
+
+    An epoch is one permutation of the data set, seeded by ``seed + epoch`` as in PyTorch's
+    DistributedSampler (``set_epoch`` must be called every epoch), cut into global batches of
+    ``global_batch_size``. Each global batch is split across the ranks into contiguous slices
+    whose sizes differ by at most one. Hence:
+
+    - the sequence of global batches is the same at every world size, so a run that shrinks or
+      grows trains on the same batches an undisturbed run would (with a loss summed per rank and
+      divided by ``global_size``, the averaged gradient is the same too);
+    - every rank takes the same number of steps, so DDP never waits on a rank that ran out;
+    - no sample is repeated to pad the shards (DistributedSampler pads by duplicating samples).
+
+    A final global batch smaller than the world size is dropped, since some rank would get
+    nothing; that is at most ``world_size - 1`` samples an epoch.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        global_batch_size: int,
+        num_replicas: int,
+        rank: int,
+        seed: int = 0,
+        shuffle: bool = True,
+    ):
+        super().__init__(
+            range(num_samples), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed
+        )
+        if global_batch_size < num_replicas:
+            raise ValueError(
+                f"global batch size {global_batch_size} is smaller than the world size "
+                f"{num_replicas}: every worker needs at least one sample per step"
+            )
+        self.global_batch_size = global_batch_size
+        self.start_step = 0
+
+    def set_start_step(self, step: int) -> None:
+        """Skip the first ``step`` batches of the current epoch (resuming mid-epoch)."""
+        self.start_step = step
+
+    def _global_batch_bounds(self) -> list[tuple[int, int]]:
+        bounds = []
+        for start in range(0, len(self.dataset), self.global_batch_size):
+            end = min(start + self.global_batch_size, len(self.dataset))
+            if end - start >= self.num_replicas:
+                bounds.append((start, end))
+        return bounds
+
+    def __len__(self) -> int:
+        return len(self._global_batch_bounds()) - self.start_step
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(len(self.dataset), generator=generator)
+        else:
+            order = torch.arange(len(self.dataset))
+        for start, end in self._global_batch_bounds()[self.start_step :]:
+            size = end - start
+            # Near-equal contiguous slices: the first (size % world) ranks get one extra sample.
+            base, extra = divmod(size, self.num_replicas)
+            offset = start + self.rank * base + min(self.rank, extra)
+            length = base + (1 if self.rank < extra else 0)
+            yield Batch(indices=order[offset : offset + length], global_size=size)

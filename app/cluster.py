@@ -1,0 +1,88 @@
+"""Connecting to Ray (an embedded local cluster or an existing one) and checking, before any
+worker is asked for, that the cluster can host the workers at all.
+
+Ray Train would otherwise retry starting a worker group that can never be placed, forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import ray
+
+from app.config import UserError, WorkersConfig
+
+
+def connect(address: str | None, verbose: bool) -> bool:
+    """Join the cluster at ``address``, or start an embedded one; True when embedded."""
+    options = dict(
+        logging_level=logging.INFO if verbose else logging.ERROR,
+        # Worker output (Ray Train's own logs among it) reaches the console only with --verbose;
+        # progress reaches it through the driver's progress queue either way.
+        log_to_driver=verbose,
+        configure_logging=True,
+    )
+    if address:
+        try:
+            ray.init(address=address, **options)
+        except (ConnectionError, RuntimeError, ValueError) as error:
+            raise UserError(
+                f"cannot reach the Ray cluster at {address!r} ({error}); start one with "
+                "'ray start --head', fix --address/RAY_ADDRESS, or leave both unset to run on an "
+                "embedded local cluster"
+            ) from None
+        return False
+    # address="local" always starts a fresh cluster: a bare ray.init() would try to join whatever
+    # /tmp/ray/ray_current_cluster names, even a cluster that is long gone.
+    ray.init(address="local", include_dashboard=False, **options)
+    return True
+
+
+def _node_resources() -> list[dict[str, float]]:
+    return [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+
+
+def workers_that_fit(nodes: list[dict[str, float]], workers: WorkersConfig) -> int:
+    """How many workers fit on these nodes at most (each worker must fit on one node)."""
+    total = 0
+    for resources in nodes:
+        fits = math.floor(resources.get("CPU", 0) / workers.cpus_per_worker)
+        if workers.use_gpu:
+            fits = min(fits, math.floor(resources.get("GPU", 0)))
+        total += fits
+    return total
+
+
+def describe(nodes: list[dict[str, float]]) -> str:
+    cpus = sum(resources.get("CPU", 0) for resources in nodes)
+    gpus = sum(resources.get("GPU", 0) for resources in nodes)
+    return f"{cpus:g} CPUs and {gpus:g} GPUs on {len(nodes)} node{'s' if len(nodes) != 1 else ''}"
+
+
+def _worker_shape(workers: WorkersConfig) -> str:
+    shape = f"{workers.cpus_per_worker} CPU{'s' if workers.cpus_per_worker > 1 else ''}"
+    return shape + (" and 1 GPU" if workers.use_gpu else "")
+
+
+def check_capacity(workers: WorkersConfig, wait_s: float) -> None:
+    """Raise UserError unless ``min_workers`` workers fit, waiting up to ``wait_s`` for nodes."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        nodes = _node_resources()
+        if workers_that_fit(nodes, workers) >= workers.min_workers:
+            return
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(1.0)
+    fix = (
+        "drop --use-gpu or run on a cluster with GPUs"
+        if workers.use_gpu and not any(r.get("GPU", 0) for r in nodes)
+        else "use fewer --num-workers or --cpus-per-worker, or add nodes"
+    )
+    raise UserError(
+        f"the cluster can never host {workers.min_workers} worker(s) of {_worker_shape(workers)} "
+        f"each: it has {describe(nodes)} (at most {workers_that_fit(nodes, workers)} such "
+        f"worker(s)); {fix}"
+    )

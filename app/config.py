@@ -1,0 +1,171 @@
+"""Configuration: one small validated dataclass per concern.
+
+Parsed once at the CLI edge. Across the Ray boundary the worker receives ``TrainConfig.to_dict()``
+(plain primitives, so Ray Tune can sample its leaves) and rebuilds it with ``TrainConfig.from_dict``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class UserError(ValueError):
+    """Something the user can fix; the CLI prints it as one line and exits with status 2."""
+
+
+DATASETS = ("mnist", "fashion-mnist", "digits")
+PRECISIONS = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset: str = "mnist"
+    """Which data set to train on: one of DATASETS."""
+    data_dir: str = "data"
+    """Folder holding the data set in torchvision's layout (``<data_dir>/MNIST/raw/...``)."""
+    download: bool = True
+    """Download with torchvision when the files are not in ``data_dir``."""
+
+    def __post_init__(self):
+        if self.dataset not in DATASETS:
+            raise UserError(
+                f"unknown dataset {self.dataset!r}: choose one of {', '.join(DATASETS)}"
+            )
+        if not self.data_dir:
+            raise UserError("data_dir must not be empty")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 0.5
+    """Adadelta learning rate (the reference ConvNet recipe)."""
+    lr_decay: float = 0.7
+    """Multiply the learning rate by this after every epoch (StepLR gamma)."""
+
+    def __post_init__(self):
+        if not self.lr > 0:
+            raise UserError(f"learning rate must be > 0, got {self.lr}")
+        if not 0 < self.lr_decay <= 1:
+            raise UserError(f"lr decay must be in (0, 1], got {self.lr_decay}")
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    epochs: int = 5
+    """Epochs to train in total (a resumed run trains only the ones left)."""
+    global_batch_size: int = 128
+    """Samples per optimiser step summed over all workers; independent of the world size."""
+    eval_batch_size: int = 1000
+    """Samples per forward pass during validation (per worker)."""
+    seed: int = 0
+    """Seed for model initialisation, shuffling and dropout."""
+    precision: str = "fp32"
+    """fp32, or bf16 autocast (faster on CPUs with AVX512-BF16 and on recent GPUs)."""
+
+    def __post_init__(self):
+        if self.epochs < 1:
+            raise UserError(f"epochs must be >= 1, got {self.epochs}")
+        if self.global_batch_size < 1:
+            raise UserError(f"global batch size must be >= 1, got {self.global_batch_size}")
+        if self.eval_batch_size < 1:
+            raise UserError(f"eval batch size must be >= 1, got {self.eval_batch_size}")
+        if self.seed < 0:
+            raise UserError(f"seed must be >= 0, got {self.seed}")
+        if self.precision not in PRECISIONS:
+            raise UserError(
+                f"unknown precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}"
+            )
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    num_to_keep: int = 3
+    """Keep the best K checkpoints by validation accuracy (the latest is always kept too)."""
+
+    def __post_init__(self):
+        if self.num_to_keep < 1:
+            raise UserError(f"checkpoints to keep must be >= 1, got {self.num_to_keep}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything the worker loop needs; nothing about where or on how many workers it runs."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loop: LoopConfig = field(default_factory=LoopConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        return cls(
+            data=DataConfig(**values.get("data", {})),
+            optim=OptimConfig(**values.get("optim", {})),
+            loop=LoopConfig(**values.get("loop", {})),
+            checkpoint=CheckpointConfig(**values.get("checkpoint", {})),
+        )
+
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass(frozen=True)
+class WorkersConfig:
+    """How many training workers, and what each one owns."""
+
+    min_workers: int = 1
+    """Fewest workers to train with."""
+    max_workers: int = 1
+    """Most workers to train with; larger than min_workers means elastic."""
+    use_gpu: bool = False
+    """Give each worker one GPU and use NCCL."""
+    cpus_per_worker: int = 1
+    """CPUs reserved per worker; also torch's intra-op thread count in that worker."""
+
+    def __post_init__(self):
+        if self.min_workers < 1:
+            raise UserError(f"number of workers must be >= 1, got {self.min_workers}")
+        if self.max_workers < self.min_workers:
+            raise UserError(
+                f"worker range {self.min_workers}-{self.max_workers} is empty: "
+                "write it as MIN-MAX with MIN <= MAX"
+            )
+        if self.cpus_per_worker < 1:
+            raise UserError(f"cpus per worker must be >= 1, got {self.cpus_per_worker}")
+
+    @property
+    def is_elastic(self) -> bool:
+        return self.max_workers > self.min_workers
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Where a run's checkpoints and results live; the name is what a rerun resumes by."""
+
+    name: str
+    """Run name; rerunning with the same name and storage path resumes the run."""
+    storage_path: str
+    """Absolute local folder or URI (s3://...) that holds ``<name>/``."""
+
+    def __post_init__(self):
+        if not _NAME.match(self.name):
+            raise UserError(
+                f"run name {self.name!r} must start with a letter or digit and contain only "
+                "letters, digits, '.', '_' and '-'"
+            )
+
+
+def parse_worker_range(text: str) -> tuple[int, int]:
+    """'4' -> (4, 4); '2-8' -> (2, 8)."""
+    match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", text)
+    if not match:
+        raise UserError(f"--num-workers must be N or MIN-MAX (e.g. 4 or 2-8), got {text!r}")
+    low = int(match.group(1))
+    high = int(match.group(2)) if match.group(2) is not None else low
+    return low, high

@@ -1,0 +1,60 @@
+"""What a person watching a run sees: a header, one row per epoch, and where the results are."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, TextIO
+
+_ROW = "{epoch:>7} {world:>8} {train_loss:>11} {val_loss:>9} {val_acc:>8} {throughput:>10} {seconds:>8}"
+
+
+class Console:
+    def __init__(self, stream: TextIO = sys.stdout):
+        self.stream = stream
+        self._header_shown = False
+
+    def line(self, text: str = "") -> None:
+        print(text, file=self.stream, flush=True)
+
+    def start(self, event: dict[str, Any]) -> None:
+        """The worker group (re)started: say with what, and from where."""
+        device = "GPU" if event["device"] == "cuda" else "CPU"
+        if event["resumed_at_epoch"] is not None:
+            self.line(
+                f"Resumed from the checkpoint after epoch {event['resumed_at_epoch']} "
+                f"of {event['epochs']} ({event['world_size']} {device} workers)."
+            )
+        else:
+            self.line(
+                f"Training ConvNet on {event['dataset']}: {event['num_train']:,} train / "
+                f"{event['num_val']:,} validation images, {event['epochs']} epochs, "
+                f"{event['world_size']} {device} worker(s), "
+                f"{event['batch_per_worker']} samples per worker per step."
+            )
+        if not self._header_shown:
+            self.line(
+                _ROW.format(
+                    epoch="epoch", world="workers", train_loss="train loss", val_loss="val loss",
+                    val_acc="val acc", throughput="samples/s", seconds="seconds",
+                )
+            )
+            self._header_shown = True
+
+    def epoch(self, metrics: dict[str, Any]) -> None:
+        self.line(
+            _ROW.format(
+                epoch=metrics["epoch"],
+                world=metrics["world_size"],
+                train_loss=f"{metrics['train_loss']:.4f}",
+                val_loss=f"{metrics['val_loss']:.4f}",
+                val_acc=f"{100 * metrics['val_accuracy']:.2f}%",
+                throughput=f"{metrics['samples_per_second']:,.0f}",
+                seconds=f"{metrics['epoch_seconds']:.1f}",
+            )
+        )
+
+    def handle(self, event: dict[str, Any]) -> None:
+        if event["event"] == "start":
+            self.start(event)
+        elif event["event"] == "epoch":
+            self.epoch(event)

@@ -1,0 +1,199 @@
+"""Runs one training job on Ray Train: the TorchTrainer, its scaling, storage and checkpoint
+policy, live progress on the driver, and the results written at the end."""
+
+from __future__ import annotations
+
+import queue as queue_module
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import pyarrow.fs
+import ray
+import ray.train
+from ray.train.torch import TorchTrainer
+from ray.util.queue import Queue
+
+from app import checkpoint, results
+from app.config import RunConfig, TrainConfig, UserError, WorkersConfig
+from app.console import Console
+from app.worker import PROGRESS_KEY, train_loop_per_worker
+
+
+class RunFailed(RuntimeError):
+    """Training failed for a reason that is not the user's input (after all retries)."""
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    run_uri: str
+    """Folder (or URI) of the run: checkpoints, metrics.csv and curves.png are under it."""
+    history: list[dict[str, Any]]
+    """Per-epoch metrics of every epoch trained, across resumes."""
+    best_accuracy: float
+    best_epoch: int
+    best_checkpoint: str
+    latest_checkpoint: str
+    metrics_uri: str
+    curves_uri: str
+
+
+def check_storage(storage_path: str) -> None:
+    """Fail now, with the path in the message, if checkpoints could not be written there."""
+    try:
+        filesystem, path = pyarrow.fs.FileSystem.from_uri(storage_path)
+        filesystem.create_dir(path, recursive=True)
+        probe = f"{path.rstrip('/')}/.write_probe"
+        with filesystem.open_output_stream(probe) as stream:
+            stream.write(b"ok")
+        filesystem.delete_file(probe)
+    except (OSError, pyarrow.ArrowException) as error:
+        raise UserError(f"cannot write to storage path {storage_path}: {error}") from None
+
+
+def run_exists(run: RunConfig) -> bool:
+    from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
+
+    filesystem, path = pyarrow.fs.FileSystem.from_uri(run.storage_path)
+    snapshot = f"{path.rstrip('/')}/{run.name}/{CHECKPOINT_MANAGER_SNAPSHOT_FILENAME}"
+    return filesystem.get_file_info(snapshot).type == pyarrow.fs.FileType.File
+
+
+def _user_error_in(error: BaseException) -> UserError | None:
+    """The UserError a worker raised, if that is what failed the run."""
+    failures = getattr(error, "worker_failures", {}) or {}
+    for failure in failures.values():
+        seen = failure
+        while seen is not None:
+            if isinstance(seen, UserError):
+                return seen
+            seen = getattr(seen, "cause", None) or seen.__cause__
+    return None
+
+
+class _ProgressPump:
+    """Prints the events rank 0 puts on a Ray queue while fit() blocks the main thread."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.queue = Queue(actor_options={"num_cpus": 0})
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.console.handle(self.queue.get(timeout=0.5))
+            except queue_module.Empty:
+                continue
+            except ray.exceptions.RayError:
+                return  # the queue actor is gone: the cluster is shutting down
+
+    def __enter__(self) -> _ProgressPump:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join()
+        try:
+            while not self.queue.empty():
+                self.console.handle(self.queue.get_nowait())
+        except (queue_module.Empty, ray.exceptions.RayError):
+            pass
+        ray.kill(self.queue.actor)
+
+
+def make_trainer(
+    train_config: TrainConfig,
+    workers: WorkersConfig,
+    run: RunConfig,
+    *,
+    max_failures: int,
+    verbose: bool,
+    callbacks: Sequence[ray.train.UserCallback] = (),
+    extra_worker_config: dict[str, Any] | None = None,
+) -> TorchTrainer:
+    num_workers = (
+        (workers.min_workers, workers.max_workers) if workers.is_elastic else workers.min_workers
+    )
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={**train_config.to_dict(), **(extra_worker_config or {})},
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=num_workers,
+            use_gpu=workers.use_gpu,
+            resources_per_worker={"CPU": workers.cpus_per_worker}
+            | ({"GPU": 1} if workers.use_gpu else {}),
+        ),
+        run_config=ray.train.RunConfig(
+            name=run.name,
+            storage_path=run.storage_path,
+            checkpoint_config=ray.train.CheckpointConfig(
+                num_to_keep=train_config.checkpoint.num_to_keep,
+                checkpoint_score_attribute="val_accuracy",
+                checkpoint_score_order="max",
+            ),
+            failure_config=ray.train.FailureConfig(max_failures=max_failures),
+            logging_config=ray.train.LoggingConfig(log_level="INFO" if verbose else "WARNING"),
+            callbacks=list(callbacks),
+        ),
+    )
+
+
+def _summarise(result: ray.train.Result, epochs: int) -> RunSummary:
+    latest = result.checkpoint
+    if latest is None:
+        raise RunFailed(f"the run ended without a checkpoint; see the logs under {result.path}")
+    with latest.as_directory() as directory:
+        history = checkpoint.load_history(directory)
+    best_checkpoint, best_metrics = max(
+        result.best_checkpoints, key=lambda pair: pair[1]["val_accuracy"]
+    )
+    metrics_uri, curves_uri = results.write(
+        result.path, history, title=f"{result.path.rstrip('/').rsplit('/', 1)[-1]}"
+    )
+    return RunSummary(
+        run_uri=result.path,
+        history=history,
+        best_accuracy=best_metrics["val_accuracy"],
+        best_epoch=best_metrics["epoch"],
+        best_checkpoint=best_checkpoint.path,
+        latest_checkpoint=latest.path,
+        metrics_uri=metrics_uri,
+        curves_uri=curves_uri,
+    )
+
+
+def launch(
+    train_config: TrainConfig,
+    workers: WorkersConfig,
+    run: RunConfig,
+    *,
+    console: Console,
+    max_failures: int | None = None,
+    verbose: bool = False,
+    callbacks: Sequence[ray.train.UserCallback] = (),
+) -> RunSummary:
+    """Train on the connected Ray cluster; returns where the results are.
+
+    Raises UserError for mistakes in the input (also when a worker hits one) and RunFailed when
+    training fails after its retries.
+    """
+    if max_failures is None:
+        max_failures = 3 if workers.is_elastic else 0
+    if run_exists(run):
+        console.line(f"Run {run.name!r} exists in {run.storage_path}: resuming it.")
+    with _ProgressPump(console) as pump:
+        trainer = make_trainer(
+            train_config, workers, run, max_failures=max_failures, verbose=verbose,
+            callbacks=callbacks, extra_worker_config={PROGRESS_KEY: pump.queue},
+        )
+        try:
+            result = trainer.fit()
+        except ray.train.TrainingFailedError as error:
+            user_error = _user_error_in(error)
+            if user_error is not None:
+                raise UserError(str(user_error)) from None
+            raise RunFailed(str(error).splitlines()[-1] or type(error).__name__) from error
+    return _summarise(result, train_config.loop.epochs)

@@ -1,0 +1,210 @@
+"""Command line: ``python -m app.train`` (also installed as ``app-train``).
+
+Parses and validates every flag once, here; what runs below receives typed configs only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from app.config import (
+    DATASETS, PRECISIONS, CheckpointConfig, DataConfig, LoopConfig, OptimConfig, RunConfig,
+    TrainConfig, UserError, WorkersConfig, parse_worker_range,
+)
+from app.console import Console
+
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not the whole usage block
+        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = LoopConfig()
+    parser = _Parser(
+        prog="python -m app.train",
+        description=(
+            "Data-parallel training of the reference MNIST ConvNet on Ray Train "
+            "(DistributedDataParallel; gloo on CPU, NCCL on GPU). Starts an embedded local Ray "
+            "cluster unless --address or RAY_ADDRESS names one to join. Rerunning with the same "
+            "--name and --storage-path resumes from the latest checkpoint."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    scaling = parser.add_argument_group("workers")
+    scaling.add_argument(
+        "--num-workers", default="1", metavar="N|MIN-MAX",
+        help="training workers: a number, or a range such as 2-8 for an elastic run that grows "
+        "and shrinks with the cluster",
+    )
+    scaling.add_argument("--use-gpu", action="store_true", help="one GPU per worker, NCCL")
+    scaling.add_argument(
+        "--cpus-per-worker", type=int, default=1,
+        help="CPUs reserved per worker (also torch's thread count in it)",
+    )
+    scaling.add_argument(
+        "--max-failures", type=int, default=None,
+        help="worker-group failures to recover from by restarting at the latest checkpoint "
+        "(-1: no limit) [default: 3 when elastic, else 0]",
+    )
+    training = parser.add_argument_group("training")
+    training.add_argument("--epochs", type=int, default=defaults.epochs, help="epochs in total")
+    training.add_argument(
+        "--global-batch-size", type=int, default=defaults.global_batch_size,
+        help="samples per optimiser step over all workers; each worker takes its share",
+    )
+    training.add_argument("--lr", type=float, default=OptimConfig().lr, help="Adadelta learning rate")
+    training.add_argument(
+        "--lr-decay", type=float, default=OptimConfig().lr_decay,
+        help="learning-rate factor applied after every epoch",
+    )
+    training.add_argument("--seed", type=int, default=defaults.seed, help="random seed")
+    training.add_argument(
+        "--precision", choices=PRECISIONS, default=defaults.precision,
+        help="fp32, or bf16 autocast (faster on CPUs with AVX512-BF16 and on recent GPUs)",
+    )
+    data = parser.add_argument_group("data")
+    data.add_argument(
+        "--dataset", choices=DATASETS, default=None,
+        help="data set [default: mnist; if MNIST is neither in --data-dir nor downloadable, "
+        "scikit-learn's bundled digits]",
+    )
+    data.add_argument(
+        "--data-dir", default="data",
+        help="folder with the data set in torchvision's layout (<dir>/MNIST/raw/...); "
+        "downloads go here",
+    )
+    output = parser.add_argument_group("run and cluster")
+    output.add_argument(
+        "--storage-path", default="runs",
+        help="where runs are kept (local folder or s3://bucket/prefix)",
+    )
+    output.add_argument(
+        "--name", default=None,
+        help="run name; rerunning with the same name resumes [default: <dataset>-<time>]",
+    )
+    output.add_argument(
+        "--keep-checkpoints", type=int, default=CheckpointConfig().num_to_keep,
+        help="keep this many best checkpoints by validation accuracy, plus the latest",
+    )
+    output.add_argument(
+        "--address", default=os.environ.get("RAY_ADDRESS"),
+        help="Ray cluster to join (e.g. auto, 10.0.0.1:6379) [default: RAY_ADDRESS if set, "
+        "else an embedded local cluster]",
+    )
+    output.add_argument(
+        "--verbose", action="store_true", help="show Ray's own logs and full tracebacks"
+    )
+    return parser
+
+
+def _storage_uri(path: str) -> str:
+    return path if "://" in path else str(Path(path).expanduser().resolve())
+
+
+def _resolve_data(args: argparse.Namespace, console: Console, embedded: bool) -> DataConfig:
+    """The data set to train on; falls back to the bundled digits only if none was asked for."""
+    from app import data
+
+    if args.dataset is not None:
+        config = DataConfig(dataset=args.dataset, data_dir=args.data_dir)
+    else:
+        config = DataConfig(dataset="mnist", data_dir=args.data_dir)
+        if not data.is_available(config):
+            console.line(
+                f"MNIST is not in {args.data_dir} and cannot be downloaded: training on "
+                "scikit-learn's bundled handwritten digits (1,797 8x8 images, resized to 28x28)."
+            )
+            config = DataConfig(dataset="digits", data_dir=args.data_dir)
+    if embedded:
+        # Workers read the same folder: a missing or corrupt file is reported now, by name.
+        data.load(config)
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console()
+    try:
+        return _run(args, console)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print(
+            "interrupted: checkpoints written so far are kept; rerun the same command "
+            "(same --name) to resume",
+            file=sys.stderr, flush=True,
+        )
+        return EXIT_INTERRUPTED
+
+
+def _run(args: argparse.Namespace, console: Console) -> int:
+    min_workers, max_workers = parse_worker_range(args.num_workers)
+    workers = WorkersConfig(
+        min_workers=min_workers, max_workers=max_workers, use_gpu=args.use_gpu,
+        cpus_per_worker=args.cpus_per_worker,
+    )
+    optim = OptimConfig(lr=args.lr, lr_decay=args.lr_decay)
+    loop = LoopConfig(
+        epochs=args.epochs, global_batch_size=args.global_batch_size, seed=args.seed,
+        precision=args.precision,
+    )
+    if loop.global_batch_size < workers.max_workers:
+        raise UserError(
+            f"--global-batch-size {loop.global_batch_size} is smaller than the "
+            f"{workers.max_workers} workers asked for: each worker needs a sample per step"
+        )
+    checkpoints = CheckpointConfig(num_to_keep=args.keep_checkpoints)
+    if args.max_failures is not None and args.max_failures < -1:
+        raise UserError(f"--max-failures must be -1 (no limit) or >= 0, got {args.max_failures}")
+    storage_path = _storage_uri(args.storage_path)
+    embedded = not args.address
+
+    from app import cluster, launcher
+
+    launcher.check_storage(storage_path)
+    data = _resolve_data(args, console, embedded)
+    run = RunConfig(
+        name=args.name or f"{data.dataset}-{time.strftime('%Y%m%d-%H%M%S')}",
+        storage_path=storage_path,
+    )
+    config = TrainConfig(data=data, optim=optim, loop=loop, checkpoint=checkpoints)
+
+    import ray
+
+    cluster.connect(args.address, verbose=args.verbose)
+    try:
+        # An embedded cluster never grows, so there is nothing to wait for.
+        cluster.check_capacity(workers, wait_s=0 if embedded else 60)
+        summary = launcher.launch(
+            config, workers, run, console=console, max_failures=args.max_failures,
+            verbose=args.verbose,
+        )
+    except launcher.RunFailed as error:
+        if args.verbose:
+            raise
+        print(f"error: training failed: {error} (rerun with --verbose for details)", file=sys.stderr)
+        return 1
+    finally:
+        ray.shutdown()
+    console.line()
+    console.line(
+        f"Best validation accuracy {100 * summary.best_accuracy:.2f}% at epoch "
+        f"{summary.best_epoch} ({len(summary.history)} epochs trained)."
+    )
+    console.line(f"Checkpoints: {summary.run_uri}  (best: {summary.best_checkpoint})")
+    console.line(f"Metrics:     {summary.metrics_uri}")
+    console.line(f"Curves:      {summary.curves_uri}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
