@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 
 import ray
@@ -44,6 +45,13 @@ def _node_resources() -> list[dict[str, float]]:
     return [node["Resources"] for node in ray.nodes() if node.get("Alive")]
 
 
+def local_resources() -> list[dict[str, float]]:
+    """What an embedded cluster on this machine will have: known before paying for its start."""
+    import torch
+
+    return [{"CPU": float(os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}]
+
+
 def workers_that_fit(nodes: list[dict[str, float]], workers: WorkersConfig) -> int:
     """How many workers fit on these nodes at most (each worker must fit on one node)."""
     total = 0
@@ -66,16 +74,20 @@ def _worker_shape(workers: WorkersConfig) -> str:
     return shape + (" and 1 GPU" if workers.use_gpu else "")
 
 
-def check_capacity(workers: WorkersConfig, wait_s: float) -> None:
-    """Raise UserError unless ``min_workers`` workers fit, waiting up to ``wait_s`` for nodes."""
+def check_capacity(
+    workers: WorkersConfig, wait_s: float = 0.0, nodes: list[dict[str, float]] | None = None
+) -> None:
+    """Raise UserError unless ``min_workers`` workers fit on ``nodes`` (default: the connected
+    cluster's live nodes, polled for up to ``wait_s`` while an autoscaler may add some)."""
     deadline = time.monotonic() + wait_s
     while True:
-        nodes = _node_resources()
-        if workers_that_fit(nodes, workers) >= workers.min_workers:
+        current = nodes if nodes is not None else _node_resources()
+        if workers_that_fit(current, workers) >= workers.min_workers:
             return
-        if time.monotonic() >= deadline:
+        if nodes is not None or time.monotonic() >= deadline:
             break
         time.sleep(1.0)
+    nodes = current
     fix = (
         "drop --use-gpu or run on a cluster with GPUs"
         if workers.use_gpu and not any(r.get("GPU", 0) for r in nodes)

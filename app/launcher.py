@@ -104,6 +104,31 @@ class _ProgressPump:
         ray.kill(self.queue.actor)
 
 
+def _fit_interruptibly(trainer: TorchTrainer) -> ray.train.Result:
+    """trainer.fit(), leaving Ctrl-C to raise KeyboardInterrupt in the main thread.
+
+    In the main thread, fit() installs a SIGINT handler that aborts the controller and then exits
+    the process with status 1 and no message. From another thread it installs none, so the
+    interrupt reaches us; the caller then shuts Ray down, and the checkpoints already reported
+    stay as they are (Ray records a checkpoint only once it is fully persisted).
+    """
+    outcome: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as error:  # handed to the main thread below
+            outcome["error"] = error
+
+    thread = threading.Thread(target=fit, name="fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(timeout=0.5)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
 def make_trainer(
     train_config: TrainConfig,
     workers: WorkersConfig,
@@ -190,7 +215,7 @@ def launch(
             callbacks=callbacks, extra_worker_config={PROGRESS_KEY: pump.queue},
         )
         try:
-            result = trainer.fit()
+            result = _fit_interruptibly(trainer)
         except ray.train.TrainingFailedError as error:
             user_error = _user_error_in(error)
             if user_error is not None:

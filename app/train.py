@@ -170,6 +170,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
 
     from app import cluster, launcher
 
+    if embedded:
+        cluster.check_capacity(workers, nodes=cluster.local_resources())
     launcher.check_storage(storage_path)
     data = _resolve_data(args, console, embedded)
     run = RunConfig(

@@ -1,0 +1,133 @@
+"""The command line as a user meets it: exit codes, one-line errors, Ctrl-C, resume."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from app import data
+
+pytestmark = pytest.mark.integration
+
+
+def _cli(*args, cwd, timeout=120):
+    return subprocess.run(
+        [sys.executable, "-m", "app.train", *args],
+        cwd=cwd, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def _assert_one_line_error(result, expected):
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert expected in lines[0]
+
+
+def test_help_describes_every_flag(tmp_path):
+    result = _cli("--help", cwd=tmp_path)
+    assert result.returncode == 0
+    for flag in (
+        "--num-workers", "--use-gpu", "--cpus-per-worker", "--epochs", "--global-batch-size",
+        "--lr", "--dataset", "--data-dir", "--storage-path", "--name", "--seed", "--address",
+        "--verbose",
+    ):
+        assert flag in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--num-workers", "zero"], "--num-workers must be N or MIN-MAX"),
+        (["--num-workers", "4-2"], "worker range 4-2 is empty"),
+        (["--epochs", "0"], "epochs must be >= 1"),
+        (["--epochs", "two"], "invalid int value"),
+        (["--lr", "-0.1"], "learning rate must be > 0"),
+        (["--dataset", "imagenet"], "invalid choice"),
+        (["--global-batch-size", "1", "--num-workers", "2"], "smaller than the 2 workers"),
+        (["--name", "a/b"], "run name"),
+        (["--num-workers", "64"], "can never host 64 worker(s)"),
+        (["--cpus-per-worker", "64"], "can never host 1 worker(s) of 64 CPUs"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, expected):
+    _assert_one_line_error(_cli(*args, "--dataset" if "--dataset" not in args else "--seed",
+                                "digits" if "--dataset" not in args else "1", cwd=tmp_path),
+                           expected)
+
+
+def test_use_gpu_without_gpus_fails_fast_naming_the_cluster(tmp_path):
+    started = time.monotonic()
+    result = _cli("--use-gpu", "--dataset", "digits", cwd=tmp_path)
+    assert time.monotonic() - started < 10
+    _assert_one_line_error(result, "0 GPUs")
+    assert "drop --use-gpu" in result.stderr
+
+
+def test_unwritable_storage_path(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    result = _cli("--dataset", "digits", "--storage-path", str(blocker / "runs"), cwd=tmp_path)
+    _assert_one_line_error(result, f"cannot write to storage path {blocker / 'runs'}")
+
+
+def test_missing_and_corrupt_data_name_the_file(tmp_path):
+    result = _cli("--dataset", "mnist", "--data-dir", str(tmp_path / "nothing"), cwd=tmp_path)
+    _assert_one_line_error(result, "mnist")
+    raw = data.raw_folder(tmp_path / "data", "mnist")
+    for prefix, count in (("train", 30), ("t10k", 10)):
+        data.write_idx(raw / f"{prefix}-images-idx3-ubyte", np.zeros((count, 28, 28), np.uint8))
+        data.write_idx(raw / f"{prefix}-labels-idx1-ubyte", np.zeros(count, np.uint8))
+    corrupt = raw / "train-images-idx3-ubyte"
+    corrupt.write_bytes(corrupt.read_bytes()[:1000])
+    result = _cli("--dataset", "mnist", "--data-dir", str(tmp_path / "data"), cwd=tmp_path)
+    _assert_one_line_error(result, f"{corrupt}: IDX data is")
+
+
+def _committed_epoch(run_dir) -> int:
+    """The epoch of the latest checkpoint Ray Train has recorded as complete (0 if none)."""
+    try:
+        snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0
+    latest = snapshot.get("latest_checkpoint_result") or {}
+    return int(latest.get("metrics", {}).get("epoch", 0))
+
+
+def test_offline_default_falls_back_to_bundled_digits_and_ctrl_c_keeps_checkpoints(tmp_path):
+    """No --dataset, no MNIST, no internet: trains on the digits. Ctrl-C after the first
+    checkpoint exits 130 and keeps it; the same command then resumes after that epoch."""
+    command = [
+        sys.executable, "-m", "app.train", "--num-workers", "2", "--epochs", "40",
+        "--name", "interrupt", "--data-dir", str(tmp_path / "empty"),
+    ]
+    run_dir = tmp_path / "runs" / "interrupt"
+    process = subprocess.Popen(
+        command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    while _committed_epoch(run_dir) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _committed_epoch(run_dir) >= 2, "no second checkpoint within 120 s"
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert "training on scikit-learn's bundled handwritten digits" in stdout
+    assert "rerun the same command" in stderr
+    done = _committed_epoch(run_dir)
+    assert (run_dir / f"checkpoint_epoch_{done:04d}" / "state.pt").exists()
+
+    result = subprocess.run(
+        command[:5] + ["--epochs", str(done + 1)] + command[7:],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"Resumed from the checkpoint after epoch {done} of {done + 1}" in result.stdout, result.stdout
+    assert (run_dir / "metrics.csv").read_text().count("\n") == done + 2

@@ -1,0 +1,93 @@
+"""Training on a real local Ray cluster (2 CPUs): accuracy, DDP in sync, resume."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import pytest
+import ray.cloudpickle
+import ray.train
+
+from app import launcher
+from app.config import DataConfig, LoopConfig, RunConfig, TrainConfig, WorkersConfig
+from app.console import Console
+
+pytestmark = pytest.mark.integration
+# The recording callback runs in the Train controller, which cannot import this test module.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class RecordReports(ray.train.UserCallback):
+    """Appends what every rank reported, one JSON list per report, to a file."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def after_report(self, run_context, metrics, checkpoint):
+        with open(self.path, "a") as stream:
+            stream.write(json.dumps(metrics) + "\n")
+
+
+def _reports(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _launch(tmp_path, config, name, num_workers=2):
+    output = io.StringIO()
+    record = tmp_path / f"{name}-reports-{len(list(tmp_path.glob('*.jsonl')))}.jsonl"
+    summary = launcher.launch(
+        config,
+        WorkersConfig(min_workers=num_workers, max_workers=num_workers),
+        RunConfig(name=name, storage_path=str(tmp_path / "runs")),
+        console=Console(output),
+        callbacks=[RecordReports(record)],
+    )
+    return summary, output.getvalue(), _reports(record)
+
+
+def test_two_workers_reach_97_percent_on_real_mnist_with_ranks_in_sync(
+    ray_cluster, mnist_dir, tmp_path
+):
+    config = TrainConfig(
+        data=DataConfig(dataset="mnist", data_dir=str(mnist_dir), download=False),
+        loop=LoopConfig(epochs=4),
+    )
+    summary, output, reports = _launch(tmp_path, config, "mnist-ddp")
+
+    assert summary.best_accuracy >= 0.97, output
+    assert [row["epoch"] for row in summary.history] == [1, 2, 3, 4]
+    assert all(row["world_size"] == 2 for row in summary.history)
+    # Every rank reported every epoch, and their parameters are bit-identical.
+    assert len(reports) == 4
+    for per_rank in reports:
+        assert len(per_rank) == 2
+        assert per_rank[0]["param_checksum"] == per_rank[1]["param_checksum"]
+        assert per_rank[0]["val_accuracy"] == per_rank[1]["val_accuracy"]
+    assert reports[0][0]["param_checksum"] != reports[-1][0]["param_checksum"]
+
+    assert "8,000 train / 2,000 validation images" in output
+    assert output.count("2 ") >= 4  # one row per epoch with the world size
+    metrics = (tmp_path / "runs" / "mnist-ddp" / "metrics.csv").read_text().splitlines()
+    assert metrics[0].startswith("epoch,step,world_size,train_loss,val_loss,val_accuracy")
+    assert len(metrics) == 5
+    assert (tmp_path / "runs" / "mnist-ddp" / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    kept = sorted(p.name for p in (tmp_path / "runs" / "mnist-ddp").glob("checkpoint_epoch_*"))
+    assert len(kept) <= config.checkpoint.num_to_keep + 1
+    assert f"checkpoint_epoch_{summary.best_epoch:04d}" in kept
+
+
+def test_rerun_with_the_same_name_resumes_at_the_next_epoch(ray_cluster, tmp_path):
+    def config(epochs):
+        return TrainConfig(data=DataConfig(dataset="digits"), loop=LoopConfig(epochs=epochs))
+
+    first, _, first_reports = _launch(tmp_path, config(1), "resume")
+    assert [row["epoch"] for row in first.history] == [1]
+
+    second, output, second_reports = _launch(tmp_path, config(3), "resume")
+    assert "exists" in output and "Resumed from the checkpoint after epoch 1" in output
+    assert [per_rank[0]["epoch"] for per_rank in second_reports] == [2, 3]
+    assert [row["epoch"] for row in second.history] == [1, 2, 3]
+    assert second.history[0] == first.history[0]
+    assert second.history[1]["step"] == 2 * first.history[0]["step"]
