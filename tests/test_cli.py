@@ -109,16 +109,18 @@ def test_offline_default_falls_back_to_bundled_digits_and_ctrl_c_keeps_checkpoin
         "--name", "interrupt", "--data-dir", str(tmp_path / "empty"),
     ]
     run_dir = tmp_path / "runs" / "interrupt"
-    process = subprocess.Popen(
-        command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    # Files, not pipes: Ray's daemons inherit the descriptors and may close them a little after
+    # the command itself has exited, which would make communicate() wait on them.
+    stdout_path, stderr_path = tmp_path / "stdout", tmp_path / "stderr"
+    with open(stdout_path, "w") as stdout_file, open(stderr_path, "w") as stderr_file:
+        process = subprocess.Popen(command, cwd=tmp_path, stdout=stdout_file, stderr=stderr_file)
     deadline = time.monotonic() + 120
     while _committed_epoch(run_dir) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _committed_epoch(run_dir) >= 2, "no second checkpoint within 120 s"
     process.send_signal(signal.SIGINT)
-    stdout, stderr = process.communicate(timeout=60)
-    assert process.returncode == 130, stderr
+    assert process.wait(timeout=60) == 130, stderr_path.read_text()
+    stdout, stderr = stdout_path.read_text(), stderr_path.read_text()
     assert "training on scikit-learn's bundled handwritten digits" in stdout
     assert "rerun the same command" in stderr
     done = _committed_epoch(run_dir)
