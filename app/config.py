@@ -17,7 +17,7 @@ class UserError(ValueError):
 
 
 DATASETS = ("mnist", "fashion-mnist", "digits")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,8 @@ class LoopConfig:
     """Samples per forward pass during validation (per worker)."""
     seed: int = 0
     """Seed for model initialisation, shuffling and dropout."""
-    precision: str = "fp32"
-    """fp32, or bf16 autocast (faster on CPUs with AVX512-BF16 and on recent GPUs)."""
+    precision: str = "auto"
+    """bf16 autocast where the worker's device computes bf16 natively, else fp32; or forced."""
 
     def __post_init__(self):
         if self.epochs < 1:

@@ -29,7 +29,7 @@ class Console:
                 f"Training ConvNet on {event['dataset']}: {event['num_train']:,} train / "
                 f"{event['num_val']:,} validation images, {event['epochs']} epochs, "
                 f"{event['world_size']} {device} worker(s), "
-                f"{event['batch_per_worker']} samples per worker per step."
+                f"{event['batch_per_worker']} samples per worker per step, {event['precision']}."
             )
         if not self._header_shown:
             self.line(

@@ -166,7 +166,7 @@ def make_trainer(
     )
 
 
-def _summarise(result: ray.train.Result, epochs: int) -> RunSummary:
+def _summarise(result: ray.train.Result) -> RunSummary:
     latest = result.checkpoint
     if latest is None:
         raise RunFailed(f"the run ended without a checkpoint; see the logs under {result.path}")
@@ -221,4 +221,4 @@ def launch(
             if user_error is not None:
                 raise UserError(str(user_error)) from None
             raise RunFailed(str(error).splitlines()[-1] or type(error).__name__) from error
-    return _summarise(result, train_config.loop.epochs)
+    return _summarise(result)

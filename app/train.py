@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--seed", type=int, default=defaults.seed, help="random seed")
     training.add_argument(
         "--precision", choices=PRECISIONS, default=defaults.precision,
-        help="fp32, or bf16 autocast (faster on CPUs with AVX512-BF16 and on recent GPUs)",
+        help="auto: bf16 autocast where the device computes bf16 natively (AVX512-BF16/AMX "
+        "CPUs, Ampere+ GPUs), else fp32; fp32 or bf16 force one",
     )
     data = parser.add_argument_group("data")
     data.add_argument(

@@ -58,6 +58,7 @@ def train_loop_per_worker(worker_config: dict[str, Any]) -> None:
                 "event": "start",
                 "world_size": world_size,
                 "device": device.type,
+                "precision": trainer.precision,
                 "dataset": dataset.name,
                 "num_train": len(dataset.train),
                 "num_val": len(dataset.val),

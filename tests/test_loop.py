@@ -1,5 +1,6 @@
 """The training loop in one process: a real step, and an exact checkpoint round trip."""
 
+import pytest
 import torch
 
 from app import checkpoint
@@ -18,16 +19,19 @@ def _splits():
     return Split(images[:64], labels[:64]), Split(images[64:], labels[64:])
 
 
-def _trainer(state=None):
+def _trainer(state=None, precision="fp32"):
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    config = TrainConfig(loop=LoopConfig(epochs=3, global_batch_size=16, eval_batch_size=7))
+    config = TrainConfig(
+        loop=LoopConfig(epochs=3, global_batch_size=16, eval_batch_size=7, precision=precision)
+    )
     train, val = _splits()
     return Trainer(config, ConvNet(), train, val, torch.device("cpu"), 0, 1, state)
 
 
-def test_training_lowers_loss_and_learns():
-    trainer = _trainer()
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_training_lowers_loss_and_learns(precision):
+    trainer = _trainer(precision=precision)
     before = trainer.evaluate()
     first = trainer.run_epoch()
     for _ in range(3):
@@ -62,3 +66,12 @@ def test_checkpoint_round_trip_resumes_exactly(tmp_path):
     resumed.run_epoch()
     assert resumed.epochs_done == 2
     assert parameter_checksum(resumed.model) == parameter_checksum(uninterrupted.model)
+
+
+def test_auto_precision_is_fp32_without_native_bf16():
+    from app.loop import resolve_precision
+
+    assert resolve_precision("fp32", torch.device("cpu")) == "fp32"
+    assert resolve_precision("bf16", torch.device("cpu")) == "bf16"
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert resolve_precision("auto", torch.device("cpu")) == ("bf16" if native else "fp32")
