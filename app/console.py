@@ -19,6 +19,11 @@ class Console:
     def start(self, event: dict[str, Any]) -> None:
         """The worker group (re)started: say with what, and from where."""
         device = "GPU" if event["device"] == "cuda" else "CPU"
+        if event["resumed_at_epoch"] is not None and event["resumed_at_epoch"] >= event["epochs"]:
+            self.line(
+                f"All {event['epochs']} epochs were already trained; raise --epochs to train more."
+            )
+            return
         if event["resumed_at_epoch"] is not None:
             self.line(
                 f"Resumed from the checkpoint after epoch {event['resumed_at_epoch']} "
