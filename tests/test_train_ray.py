@@ -91,3 +91,8 @@ def test_rerun_with_the_same_name_resumes_at_the_next_epoch(ray_cluster, tmp_pat
     assert [row["epoch"] for row in second.history] == [1, 2, 3]
     assert second.history[0] == first.history[0]
     assert second.history[1]["step"] == 2 * first.history[0]["step"]
+
+    third, output, third_reports = _launch(tmp_path, config(3), "resume")
+    assert "All 3 epochs were already trained" in output
+    assert third_reports == []  # nothing retrained
+    assert third.history == second.history
