@@ -31,6 +31,8 @@ class RecordReports(ray.train.UserCallback):
 
 
 def _reports(path):
+    if not path.exists():  # no report at all
+        return []
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
