@@ -25,6 +25,12 @@ class TrainingState:
     """Optimiser steps completed since the start of the run."""
     epoch_step: int = 0
     """Steps of the current (unfinished) epoch already taken; 0 at an epoch boundary."""
+    epoch_loss_sum: float = 0.0
+    """Training loss summed over the samples of the unfinished epoch so far (all ranks)."""
+    epoch_samples: int = 0
+    """Samples of the unfinished epoch trained so far (all ranks)."""
+    epoch_seconds: float = 0.0
+    """Training seconds spent on the unfinished epoch so far."""
     global_batch_size: int = 0
     """Samples per optimiser step, summed over workers."""
     model: dict[str, Any] = field(default_factory=dict)

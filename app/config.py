@@ -62,6 +62,9 @@ class LoopConfig:
     """Samples per forward pass during validation (per worker)."""
     seed: int = 0
     """Seed for model initialisation, shuffling and dropout."""
+    max_batch_per_worker: int = 0
+    """Largest batch one worker computes at once; a larger share is split into micro-batches
+    whose gradients are accumulated (0: no limit)."""
     precision: str = "auto"
     """bf16 autocast where the worker's device computes bf16 natively, else fp32; or forced."""
 
@@ -72,6 +75,8 @@ class LoopConfig:
             raise UserError(f"global batch size must be >= 1, got {self.global_batch_size}")
         if self.eval_batch_size < 1:
             raise UserError(f"eval batch size must be >= 1, got {self.eval_batch_size}")
+        if self.max_batch_per_worker < 0:
+            raise UserError(f"max batch per worker must be >= 0, got {self.max_batch_per_worker}")
         if self.seed < 0:
             raise UserError(f"seed must be >= 0, got {self.seed}")
         if self.precision not in PRECISIONS:
@@ -84,10 +89,20 @@ class LoopConfig:
 class CheckpointConfig:
     num_to_keep: int = 3
     """Keep the best K checkpoints by validation accuracy (the latest is always kept too)."""
+    every_steps: int = 0
+    """Also checkpoint every N optimiser steps inside an epoch (0: at epoch ends only)."""
+    preemption_check_steps: int = 10
+    """Ask Ray every N steps whether a node of this run is being drained (a collective)."""
 
     def __post_init__(self):
         if self.num_to_keep < 1:
             raise UserError(f"checkpoints to keep must be >= 1, got {self.num_to_keep}")
+        if self.every_steps < 0:
+            raise UserError(f"checkpoint interval must be >= 0 steps, got {self.every_steps}")
+        if self.preemption_check_steps < 1:
+            raise UserError(
+                f"preemption check interval must be >= 1 step, got {self.preemption_check_steps}"
+            )
 
 
 @dataclass(frozen=True)
@@ -142,6 +157,26 @@ class WorkersConfig:
     @property
     def is_elastic(self) -> bool:
         return self.max_workers > self.min_workers
+
+
+@dataclass(frozen=True)
+class FaultToleranceConfig:
+    """How the run reacts when workers or nodes come and go."""
+
+    max_failures: int = 0
+    """Worker-group failures to recover from at the latest checkpoint (-1: no limit)."""
+    resize_interval_s: float = 10.0
+    """How often an elastic run considers growing onto new capacity (Ray's default is 60 s)."""
+    placement_timeout_s: float = 120.0
+    """Give up when fewer than the minimum workers can be placed for this long."""
+
+    def __post_init__(self):
+        if self.max_failures < -1:
+            raise UserError(f"max failures must be -1 (no limit) or >= 0, got {self.max_failures}")
+        if self.resize_interval_s <= 0:
+            raise UserError(f"resize interval must be > 0 s, got {self.resize_interval_s}")
+        if self.placement_timeout_s <= 0:
+            raise UserError(f"placement timeout must be > 0 s, got {self.placement_timeout_s}")
 
 
 @dataclass(frozen=True)

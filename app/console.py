@@ -25,9 +25,15 @@ class Console:
             )
             return
         if event["resumed_at_epoch"] is not None:
+            where = f"after epoch {event['resumed_at_epoch']}"
+            if event["resumed_at_epoch_step"]:
+                where = (
+                    f"at step {event['resumed_at_epoch_step']} of epoch "
+                    f"{event['resumed_at_epoch'] + 1}"
+                )
             self.line(
-                f"Resumed from the checkpoint after epoch {event['resumed_at_epoch']} "
-                f"of {event['epochs']} ({event['world_size']} {device} workers)."
+                f"Resumed from the checkpoint {where} of {event['epochs']} "
+                f"({event['world_size']} {device} workers)."
             )
         else:
             self.line(
@@ -63,3 +69,8 @@ class Console:
             self.start(event)
         elif event["event"] == "epoch":
             self.epoch(event)
+        elif event["event"] == "partial" and event["reason"] == "preemption":
+            self.line(
+                f"A node is being drained: checkpointed at step {event['epoch_step']} of epoch "
+                f"{event['epoch'] + 1}."
+            )

@@ -3,10 +3,12 @@ policy, live progress on the driver, and the results written at the end."""
 
 from __future__ import annotations
 
+import os
 import queue as queue_module
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import pyarrow.fs
 import ray
@@ -15,7 +17,8 @@ from ray.train.torch import TorchTrainer
 from ray.util.queue import Queue
 
 from app import checkpoint, results
-from app.config import RunConfig, TrainConfig, UserError, WorkersConfig
+from app.cluster import CapacityWatch
+from app.config import FaultToleranceConfig, RunConfig, TrainConfig, UserError, WorkersConfig
 from app.console import Console
 from app.worker import PROGRESS_KEY, train_loop_per_worker
 
@@ -104,13 +107,14 @@ class _ProgressPump:
         ray.kill(self.queue.actor)
 
 
-def _fit_interruptibly(trainer: TorchTrainer) -> ray.train.Result:
+def _fit_interruptibly(trainer: TorchTrainer, watch: Callable[[], None]) -> ray.train.Result:
     """trainer.fit(), leaving Ctrl-C to raise KeyboardInterrupt in the main thread.
 
     In the main thread, fit() installs a SIGINT handler that aborts the controller and then exits
     the process with status 1 and no message. From another thread it installs none, so the
     interrupt reaches us; the caller then shuts Ray down, and the checkpoints already reported
-    stay as they are (Ray records a checkpoint only once it is fully persisted).
+    stay as they are (Ray records a checkpoint only once it is fully persisted). ``watch`` is
+    called twice a second and may raise to end the run the same way.
     """
     outcome: dict[str, Any] = {}
 
@@ -124,6 +128,7 @@ def _fit_interruptibly(trainer: TorchTrainer) -> ray.train.Result:
     thread.start()
     while thread.is_alive():
         thread.join(timeout=0.5)
+        watch()  # may raise: the caller shuts Ray down, which ends the fit thread too
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]
@@ -134,7 +139,7 @@ def make_trainer(
     workers: WorkersConfig,
     run: RunConfig,
     *,
-    max_failures: int,
+    fault_tolerance: FaultToleranceConfig,
     verbose: bool,
     callbacks: Sequence[ray.train.UserCallback] = (),
     extra_worker_config: dict[str, Any] | None = None,
@@ -150,16 +155,17 @@ def make_trainer(
             use_gpu=workers.use_gpu,
             resources_per_worker={"CPU": workers.cpus_per_worker}
             | ({"GPU": 1} if workers.use_gpu else {}),
+            elastic_resize_monitor_interval_s=fault_tolerance.resize_interval_s,
         ),
         run_config=ray.train.RunConfig(
             name=run.name,
             storage_path=run.storage_path,
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=train_config.checkpoint.num_to_keep,
-                checkpoint_score_attribute="val_accuracy",
+                checkpoint_score_attribute="checkpoint_score",
                 checkpoint_score_order="max",
             ),
-            failure_config=ray.train.FailureConfig(max_failures=max_failures),
+            failure_config=ray.train.FailureConfig(max_failures=fault_tolerance.max_failures),
             logging_config=ray.train.LoggingConfig(log_level="INFO" if verbose else "WARNING"),
             callbacks=list(callbacks),
         ),
@@ -173,7 +179,7 @@ def _summarise(result: ray.train.Result) -> RunSummary:
     with latest.as_directory() as directory:
         history = checkpoint.load_history(directory)
     best_checkpoint, best_metrics = max(
-        result.best_checkpoints, key=lambda pair: pair[1]["val_accuracy"]
+        result.best_checkpoints, key=lambda pair: pair[1]["checkpoint_score"]
     )
     metrics_uri, curves_uri = results.write(
         result.path, history, title=f"{result.path.rstrip('/').rsplit('/', 1)[-1]}"
@@ -196,7 +202,7 @@ def launch(
     run: RunConfig,
     *,
     console: Console,
-    max_failures: int | None = None,
+    fault_tolerance: FaultToleranceConfig | None = None,
     verbose: bool = False,
     callbacks: Sequence[ray.train.UserCallback] = (),
 ) -> RunSummary:
@@ -205,17 +211,21 @@ def launch(
     Raises UserError for mistakes in the input (also when a worker hits one) and RunFailed when
     training fails after its retries.
     """
-    if max_failures is None:
-        max_failures = 3 if workers.is_elastic else 0
+    if fault_tolerance is None:
+        fault_tolerance = FaultToleranceConfig(max_failures=3 if workers.is_elastic else 0)
+    # Ray Train's controller polls its workers every 2 s by default; a lost worker is noticed
+    # sooner at 1 s. Ray Train forwards this variable from the driver to its actors.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "1")
     if run_exists(run):
         console.line(f"Run {run.name!r} exists in {run.storage_path}: resuming it.")
     with _ProgressPump(console) as pump:
         trainer = make_trainer(
-            train_config, workers, run, max_failures=max_failures, verbose=verbose,
+            train_config, workers, run, fault_tolerance=fault_tolerance, verbose=verbose,
             callbacks=callbacks, extra_worker_config={PROGRESS_KEY: pump.queue},
         )
+        watch = CapacityWatch(workers, fault_tolerance.placement_timeout_s)
         try:
-            result = _fit_interruptibly(trainer)
+            result = _fit_interruptibly(trainer, watch.check)
         except ray.train.TrainingFailedError as error:
             user_error = _user_error_in(error)
             if user_error is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -131,44 +132,72 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _run_batch(self, images: torch.Tensor, labels: torch.Tensor, global_size: int):
-        with self._autocast():
-            output = self.model(images)
-        # Sum over this rank's samples, scaled so that DDP's mean over ranks is the mean over the
-        # whole global batch, whatever the split: world-size-invariant gradients.
-        loss_sum = F.nll_loss(output.float(), labels, reduction="sum")
-        loss = loss_sum * (self.world_size / global_size)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        return loss_sum.detach()
+    def _micro_batches(self, indices: torch.Tensor) -> list[torch.Tensor]:
+        limit = self.config.loop.max_batch_per_worker
+        if limit == 0 or len(indices) <= limit:
+            return [indices]
+        return list(torch.split(indices, limit))
 
-    def run_epoch(self) -> EpochResult:
+    def _run_batch(self, indices: torch.Tensor, global_size: int) -> torch.Tensor:
+        """One optimiser step on this rank's share of a global batch; returns its loss sum."""
+        self.optimizer.zero_grad(set_to_none=True)
+        micro_batches = self._micro_batches(indices)
+        loss_sum = torch.zeros((), device=self.device)
+        for position, micro in enumerate(micro_batches):
+            images = self.train_split.images[micro].to(self.device, non_blocking=True)
+            labels = self.train_split.labels[micro].to(self.device, non_blocking=True)
+            is_last = position == len(micro_batches) - 1
+            # Gradients of all but the last micro-batch accumulate locally; DDP all-reduces once.
+            sync = contextlib.nullcontext() if is_last or not hasattr(self.model, "no_sync") \
+                else self.model.no_sync()
+            with sync:
+                with self._autocast():
+                    output = self.model(images)
+                micro_loss = F.nll_loss(output.float(), labels, reduction="sum")
+                # Summed per rank and scaled so DDP's mean over ranks is the mean over the whole
+                # global batch, however it was split: world-size-invariant gradients.
+                (micro_loss * (self.world_size / global_size)).backward()
+            loss_sum += micro_loss.detach()
+        self.optimizer.step()
+        return loss_sum
+
+    def run_epoch(self, after_step: Callable[[], None] | None = None) -> EpochResult:
+        """Train the rest of the current epoch; ``after_step`` runs after every step (on every
+        rank, so it may checkpoint) and its time is not counted as training time."""
         epoch = self.state.epoch
         self.sampler.set_epoch(epoch)
         self.sampler.set_start_step(self.state.epoch_step)
         self._seed_dropout(epoch)
         self.model.train()
-        images, labels = self.train_split.images, self.train_split.labels
-        loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
-        num_samples = 0
+        # A resumed epoch carries on from the checkpoint's sums; rank 0 holds the global part.
+        resumed_loss = self.state.epoch_loss_sum if self.rank == 0 else 0.0
+        self._loss_total = torch.tensor(resumed_loss, dtype=torch.float64, device=self.device)
+        self._seconds = self.state.epoch_seconds
         started = time.perf_counter()
         for batch in self.sampler:
-            batch_images = images[batch.indices].to(self.device, non_blocking=True)
-            batch_labels = labels[batch.indices].to(self.device, non_blocking=True)
             # Accumulated on the device: .item() per step would force a GPU sync.
-            loss_total += self._run_batch(batch_images, batch_labels, batch.global_size)
-            num_samples += batch.global_size
+            self._loss_total += self._run_batch(batch.indices, batch.global_size)
             self.state.step += 1
             self.state.epoch_step += 1
-        loss_sum, _ = _all_reduce_sum([loss_total.item(), 0.0], self.device)
-        seconds = time.perf_counter() - started
+            self.state.epoch_samples += batch.global_size
+            if after_step is not None:
+                self._seconds += time.perf_counter() - started
+                after_step()
+                started = time.perf_counter()
+        self._seconds += time.perf_counter() - started
+        (loss_sum,) = _all_reduce_sum([self._loss_total.item()], self.device)
+        result = EpochResult(
+            train_loss=loss_sum / max(self.state.epoch_samples, 1),
+            num_samples=self.state.epoch_samples,
+            seconds=self._seconds,
+        )
         self.scheduler.step()
         self.state.epoch = epoch + 1
         self.state.epoch_step = 0
-        return EpochResult(
-            train_loss=loss_sum / max(num_samples, 1), num_samples=num_samples, seconds=seconds
-        )
+        self.state.epoch_loss_sum = 0.0
+        self.state.epoch_samples = 0
+        self.state.epoch_seconds = 0.0
+        return result
 
     @torch.inference_mode()
     def evaluate(self) -> Evaluation:
@@ -197,7 +226,13 @@ class Trainer:
         )
 
     def snapshot(self) -> TrainingState:
-        """The state to checkpoint; a collective (gathers every rank's RNG state)."""
+        """The state to checkpoint, at an epoch end or mid-epoch (from ``after_step``).
+
+        A collective: every rank's RNG state is gathered, and mid-epoch the loss so far is summed.
+        """
+        if self.state.epoch_step > 0:
+            (self.state.epoch_loss_sum,) = _all_reduce_sum([self._loss_total.item()], self.device)
+            self.state.epoch_seconds = self._seconds
         rng_states = [torch.get_rng_state()]
         if dist.is_initialized() and self.world_size > 1:
             rng_states = [None] * self.world_size

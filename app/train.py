@@ -12,13 +12,22 @@ import time
 from pathlib import Path
 
 from app.config import (
-    DATASETS, PRECISIONS, CheckpointConfig, DataConfig, LoopConfig, OptimConfig, RunConfig,
-    TrainConfig, UserError, WorkersConfig, parse_worker_range,
+    DATASETS, PRECISIONS, CheckpointConfig, DataConfig, FaultToleranceConfig, LoopConfig,
+    OptimConfig, RunConfig, TrainConfig, UserError, WorkersConfig, parse_worker_range,
 )
 from app.console import Console
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except the empty ones (flags, and values derived when unset)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
             "cluster unless --address or RAY_ADDRESS names one to join. Rerunning with the same "
             "--name and --storage-path resumes from the latest checkpoint."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     scaling = parser.add_argument_group("workers")
     scaling.add_argument(
@@ -54,6 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="worker-group failures to recover from by restarting at the latest checkpoint "
         "(-1: no limit) [default: 3 when elastic, else 0]",
     )
+    scaling.add_argument(
+        "--resize-interval", type=float, default=FaultToleranceConfig().resize_interval_s,
+        metavar="SECONDS", help="how often an elastic run considers growing onto new nodes",
+    )
+    scaling.add_argument(
+        "--placement-timeout", type=float, default=FaultToleranceConfig().placement_timeout_s,
+        metavar="SECONDS",
+        help="stop with an error when the cluster cannot host the minimum number of workers "
+        "for this long (an embedded cluster is checked at once)",
+    )
     training = parser.add_argument_group("training")
     training.add_argument("--epochs", type=int, default=defaults.epochs, help="epochs in total")
     training.add_argument(
@@ -64,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument(
         "--lr-decay", type=float, default=OptimConfig().lr_decay,
         help="learning-rate factor applied after every epoch",
+    )
+    training.add_argument(
+        "--max-batch-per-worker", type=int, default=defaults.max_batch_per_worker,
+        help="largest batch a worker computes at once; a larger share of the global batch is "
+        "split into micro-batches with accumulated gradients (0: no limit)",
     )
     training.add_argument("--seed", type=int, default=defaults.seed, help="random seed")
     training.add_argument(
@@ -94,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     output.add_argument(
         "--keep-checkpoints", type=int, default=CheckpointConfig().num_to_keep,
         help="keep this many best checkpoints by validation accuracy, plus the latest",
+    )
+    output.add_argument(
+        "--checkpoint-every-steps", type=int, default=CheckpointConfig().every_steps,
+        metavar="N",
+        help="also checkpoint every N steps inside an epoch, so a failure loses at most N steps "
+        "(0: at epoch ends only)",
     )
     output.add_argument(
         "--address", default=os.environ.get("RAY_ADDRESS"),
@@ -156,16 +186,24 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     optim = OptimConfig(lr=args.lr, lr_decay=args.lr_decay)
     loop = LoopConfig(
         epochs=args.epochs, global_batch_size=args.global_batch_size, seed=args.seed,
-        precision=args.precision,
+        precision=args.precision, max_batch_per_worker=args.max_batch_per_worker,
     )
     if loop.global_batch_size < workers.max_workers:
         raise UserError(
             f"--global-batch-size {loop.global_batch_size} is smaller than the "
             f"{workers.max_workers} workers asked for: each worker needs a sample per step"
         )
-    checkpoints = CheckpointConfig(num_to_keep=args.keep_checkpoints)
-    if args.max_failures is not None and args.max_failures < -1:
-        raise UserError(f"--max-failures must be -1 (no limit) or >= 0, got {args.max_failures}")
+    checkpoints = CheckpointConfig(
+        num_to_keep=args.keep_checkpoints, every_steps=args.checkpoint_every_steps
+    )
+    fault_tolerance = FaultToleranceConfig(
+        max_failures=(
+            args.max_failures if args.max_failures is not None
+            else 3 if workers.is_elastic else 0
+        ),
+        resize_interval_s=args.resize_interval,
+        placement_timeout_s=args.placement_timeout,
+    )
     storage_path = _storage_uri(args.storage_path)
     embedded = not args.address
 
@@ -186,9 +224,11 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     cluster.connect(args.address, verbose=args.verbose)
     try:
         # An embedded cluster never grows, so there is nothing to wait for.
-        cluster.check_capacity(workers, wait_s=0 if embedded else 60)
+        cluster.check_capacity(
+            workers, wait_s=0 if embedded else fault_tolerance.placement_timeout_s
+        )
         summary = launcher.launch(
-            config, workers, run, console=console, max_failures=args.max_failures,
+            config, workers, run, console=console, fault_tolerance=fault_tolerance,
             verbose=args.verbose,
         )
     except launcher.RunFailed as error:

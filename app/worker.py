@@ -51,8 +51,8 @@ def train_loop_per_worker(worker_config: dict[str, Any]) -> None:
     device = ray.train.torch.get_device()
     trainer = Trainer(config, model, dataset.train, dataset.val, device, rank, world_size, state)
 
+    reporter = _Reporter(trainer, rank, world_size, progress)
     if rank == 0 and progress is not None:
-        batch_per_worker = config.loop.global_batch_size // world_size
         progress.put(
             {
                 "event": "start",
@@ -62,39 +62,99 @@ def train_loop_per_worker(worker_config: dict[str, Any]) -> None:
                 "dataset": dataset.name,
                 "num_train": len(dataset.train),
                 "num_val": len(dataset.val),
-                "batch_per_worker": batch_per_worker,
+                "batch_per_worker": config.loop.global_batch_size // world_size,
                 "resumed_at_epoch": trainer.epochs_done if state is not None else None,
+                "resumed_at_epoch_step": trainer.state.epoch_step if state is not None else 0,
                 "epochs": config.loop.epochs,
+                # Sent just before the first step: restarts are timed from loss to here.
+                "time": time.time(),
             }
         )
 
+    interval = config.checkpoint.every_steps
+    check_every = config.checkpoint.preemption_check_steps
+    preemption_handled = False
+
+    def after_step() -> None:
+        nonlocal preemption_handled
+        step = trainer.state.step
+        if not preemption_handled and step % check_every == 0:
+            # A collective (every rank asks at the same step). When a node of this run is being
+            # drained, checkpoint now: nothing since is lost when the node goes.
+            notice = ray.train.get_preemption_info()
+            if notice is not None:
+                preemption_handled = True
+                reporter.report_partial(reason="preemption")
+                return
+        if interval and step % interval == 0:
+            reporter.report_partial(reason="interval")
+
     while trainer.epochs_done < config.loop.epochs:
-        result = trainer.run_epoch()
+        result = trainer.run_epoch(after_step=after_step)
         evaluation = trainer.evaluate()
+        reporter.report_epoch(result, evaluation, model)
+
+
+class _Reporter:
+    """Reports metrics from every rank and a checkpoint from rank 0 (Ray Train's pattern)."""
+
+    def __init__(self, trainer: Trainer, rank: int, world_size: int, progress):
+        self.trainer = trainer
+        self.rank = rank
+        self.world_size = world_size
+        self.progress = progress
+
+    def _report(self, metrics: dict[str, Any], checkpoint_dir_name: str) -> None:
+        state = self.trainer.snapshot()  # collective: every rank takes part
+        if self.rank != 0:
+            ray.train.report(metrics)
+            return
+        with tempfile.TemporaryDirectory() as directory:
+            checkpoint.save(state, directory)
+            ray.train.report(
+                metrics,
+                checkpoint=ray.train.Checkpoint.from_directory(directory),
+                checkpoint_dir_name=checkpoint_dir_name,
+            )
+        if self.progress is not None:
+            self.progress.put({"event": metrics["kind"], **metrics})
+
+    def report_epoch(self, result, evaluation, model) -> None:
+        state = self.trainer.state
         metrics = {
-            "epoch": trainer.epochs_done,
-            "step": trainer.state.step,
-            "world_size": world_size,
+            "kind": "epoch",
+            "epoch": state.epoch,
+            "step": state.step,
+            "world_size": self.world_size,
             "train_loss": result.train_loss,
             "val_loss": evaluation.loss,
             "val_accuracy": evaluation.accuracy,
             "samples_per_second": result.num_samples / result.seconds,
             "epoch_seconds": result.seconds,
-            "lr": trainer.scheduler.get_last_lr()[0],
+            "lr": self.trainer.scheduler.get_last_lr()[0],
             "param_checksum": parameter_checksum(model),
             "time": time.time(),
         }
-        trainer.state.history.append(metrics)
-        state = trainer.snapshot()  # collective: every rank takes part
-        if rank == 0:
-            with tempfile.TemporaryDirectory() as directory:
-                checkpoint.save(state, directory)
-                ray.train.report(
-                    metrics,
-                    checkpoint=ray.train.Checkpoint.from_directory(directory),
-                    checkpoint_dir_name=f"checkpoint_epoch_{trainer.epochs_done:04d}",
-                )
-            if progress is not None:
-                progress.put({"event": "epoch", **metrics})
-        else:
-            ray.train.report(metrics)
+        state.history.append(metrics)
+        self._report(
+            {**metrics, "checkpoint_score": evaluation.accuracy},
+            f"checkpoint_epoch_{state.epoch:04d}",
+        )
+
+    def report_partial(self, reason: str) -> None:
+        """A mid-epoch checkpoint, for recovery only: it scores below every epoch checkpoint,
+        so best-K keeps epoch ends, while Ray always keeps the latest for resuming."""
+        state = self.trainer.state
+        metrics = {
+            "kind": "partial",
+            "reason": reason,
+            "epoch": state.epoch,
+            "epoch_step": state.epoch_step,
+            "step": state.step,
+            "world_size": self.world_size,
+            "checkpoint_score": -1.0,
+            "time": time.time(),
+        }
+        self._report(
+            metrics, f"checkpoint_epoch_{state.epoch + 1:04d}_step_{state.epoch_step:06d}"
+        )

@@ -75,3 +75,55 @@ def test_auto_precision_is_fp32_without_native_bf16():
     assert resolve_precision("bf16", torch.device("cpu")) == "bf16"
     native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert resolve_precision("auto", torch.device("cpu")) == ("bf16" if native else "fp32")
+
+
+def _without_dropout(trainer):
+    for module in trainer.model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return trainer
+
+
+def test_micro_batches_accumulate_to_the_same_step():
+    whole = _without_dropout(_trainer())
+    whole.run_epoch()
+    split = _without_dropout(_trainer())
+    split.config = TrainConfig(
+        loop=LoopConfig(epochs=3, global_batch_size=16, max_batch_per_worker=5, precision="fp32")
+    )
+    assert [len(m) for m in split._micro_batches(torch.arange(16))] == [5, 5, 5, 1]
+    split.run_epoch()
+    for a, b in zip(whole.model.parameters(), split.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_mid_epoch_checkpoint_resumes_exactly_and_skips_trained_batches(tmp_path):
+    uninterrupted = _trainer()
+    uninterrupted.run_epoch()
+    reference = uninterrupted.run_epoch()
+
+    interrupted = _trainer()
+    interrupted.run_epoch()
+    steps_seen = []
+
+    def save_after_two_steps():
+        steps_seen.append(interrupted.state.epoch_step)
+        if interrupted.state.epoch_step == 2:
+            checkpoint.save(interrupted.snapshot(), tmp_path)
+            raise KeyboardInterrupt  # the worker dies here
+
+    try:
+        interrupted.run_epoch(after_step=save_after_two_steps)
+    except KeyboardInterrupt:
+        pass
+    assert steps_seen == [1, 2]
+
+    state = checkpoint.load(tmp_path)
+    assert (state.epoch, state.epoch_step, state.step, state.epoch_samples) == (1, 2, 6, 32)
+    resumed = _trainer(state)
+    steps_after_resume = []
+    result = resumed.run_epoch(after_step=lambda: steps_after_resume.append(resumed.state.step))
+    assert steps_after_resume == [7, 8]  # only the two batches not yet trained
+    assert result.num_samples == 64
+    assert result.train_loss == pytest.approx(reference.train_loss, rel=1e-6)
+    assert parameter_checksum(resumed.model) == parameter_checksum(uninterrupted.model)
