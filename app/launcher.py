@@ -17,7 +17,7 @@ from ray.train.torch import TorchTrainer
 from ray.util.queue import Queue
 
 from app import checkpoint, results
-from app.cluster import CapacityWatch
+from app.cluster import ClusterWatch
 from app.config import FaultToleranceConfig, RunConfig, TrainConfig, UserError, WorkersConfig
 from app.console import Console
 from app.worker import PROGRESS_KEY, train_loop_per_worker
@@ -223,7 +223,7 @@ def launch(
             train_config, workers, run, fault_tolerance=fault_tolerance, verbose=verbose,
             callbacks=callbacks, extra_worker_config={PROGRESS_KEY: pump.queue},
         )
-        watch = CapacityWatch(workers, fault_tolerance.placement_timeout_s)
+        watch = ClusterWatch(workers, fault_tolerance.placement_timeout_s)
         try:
             result = _fit_interruptibly(trainer, watch.check)
         except ray.train.TrainingFailedError as error:
