@@ -66,7 +66,7 @@ def _node_resources() -> list[dict[str, float]]:
 
 
 def refresh_autoscaling_view() -> None:
-    """Make Ray Train's elastic policy see new nodes now rather than in up to 20 s.
+    """Make Ray Train's elastic policy see node changes now rather than in up to 20 s.
 
     The policy learns about nodes from Ray's AutoscalingCoordinator actor, which re-reads the
     cluster on a fixed 20 s tick; asking it for a recomputed reservation re-reads at once.
@@ -139,7 +139,7 @@ class ClusterWatch:
     the cluster has had room for fewer than ``min_workers`` workers for longer than
     ``timeout_s``, fails the job (Ray Train would otherwise wait for them forever)."""
 
-    def __init__(self, workers: WorkersConfig, timeout_s: float, poll_s: float = 1.0):
+    def __init__(self, workers: WorkersConfig, timeout_s: float, poll_s: float = 0.5):
         self.workers = workers
         self.timeout_s = timeout_s
         self.poll_s = poll_s
@@ -153,7 +153,8 @@ class ClusterWatch:
             return
         self._last_poll = now
         alive = _alive_nodes()
-        if self._node_ids is not None and not alive.keys() <= self._node_ids:
+        if self._node_ids is not None and alive.keys() != self._node_ids:
+            # Joined: grow now. Left: the restart must not plan for the node that is gone.
             refresh_autoscaling_view()
         self._node_ids = set(alive)
         nodes = list(alive.values())

@@ -15,6 +15,7 @@ import ray
 import ray.train
 from ray.train.torch import TorchTrainer
 from ray.util.queue import Queue
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from app import checkpoint, results
 from app.cluster import ClusterWatch
@@ -79,7 +80,15 @@ class _ProgressPump:
 
     def __init__(self, console: Console):
         self.console = console
-        self.queue = Queue(actor_options={"num_cpus": 0})
+        # On the driver's node, like Ray Train's controller: a worker node may leave mid-run.
+        self.queue = Queue(
+            actor_options={
+                "num_cpus": 0,
+                "scheduling_strategy": NodeAffinitySchedulingStrategy(
+                    ray.get_runtime_context().get_node_id(), soft=False
+                ),
+            }
+        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
 
@@ -213,9 +222,12 @@ def launch(
     """
     if fault_tolerance is None:
         fault_tolerance = FaultToleranceConfig(max_failures=3 if workers.is_elastic else 0)
-    # Ray Train's controller polls its workers every 2 s by default; a lost worker is noticed
-    # sooner at 1 s. Ray Train forwards this variable from the driver to its actors.
+    # Recovery settings; Ray Train forwards these variables from the driver to its actors.
+    # Its controller polls workers every 2 s by default: a lost worker is noticed sooner at 1 s.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "1")
+    # A restart planned just before a lost node was noticed waits for that node's share of the
+    # placement group; give up on it after 20 s (Ray's default 60 s) and plan again.
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
     if run_exists(run):
         console.line(f"Run {run.name!r} exists in {run.storage_path}: resuming it.")
     with _ProgressPump(console) as pump:

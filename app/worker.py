@@ -24,6 +24,16 @@ PROGRESS_KEY = "progress_queue"
 """Optional key of the worker config: a ray.util.queue.Queue that rank 0 sends progress to."""
 
 
+def _send(progress, event: dict[str, Any]) -> None:
+    """Progress for the driver's console; best effort, never a reason to stop training."""
+    if progress is None:
+        return
+    try:
+        progress.put(event, timeout=5)
+    except Exception:  # noqa: BLE001 - e.g. the driver is gone; its checkpoints are not
+        pass
+
+
 def _owned_cpus() -> int:
     return max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
 
@@ -52,8 +62,9 @@ def train_loop_per_worker(worker_config: dict[str, Any]) -> None:
     trainer = Trainer(config, model, dataset.train, dataset.val, device, rank, world_size, state)
 
     reporter = _Reporter(trainer, rank, world_size, progress)
-    if rank == 0 and progress is not None:
-        progress.put(
+    if rank == 0:
+        _send(
+            progress,
             {
                 "event": "start",
                 "world_size": world_size,
@@ -68,7 +79,7 @@ def train_loop_per_worker(worker_config: dict[str, Any]) -> None:
                 "epochs": config.loop.epochs,
                 # Sent just before the first step: restarts are timed from loss to here.
                 "time": time.time(),
-            }
+            },
         )
 
     interval = config.checkpoint.every_steps
@@ -116,8 +127,7 @@ class _Reporter:
                 checkpoint=ray.train.Checkpoint.from_directory(directory),
                 checkpoint_dir_name=checkpoint_dir_name,
             )
-        if self.progress is not None:
-            self.progress.put({"event": metrics["kind"], **metrics})
+        _send(self.progress, {"event": metrics["kind"], **metrics})
 
     def report_epoch(self, result, evaluation, model) -> None:
         state = self.trainer.state

@@ -1,0 +1,323 @@
+"""Elastic and fault-tolerant training on real multi-node Ray clusters on this machine
+(ray.cluster_utils.Cluster: one raylet per node). Nothing of Ray is mocked."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from app import launcher
+from app.cluster import FAST_RECOVERY_SYSTEM_CONFIG
+from app.config import (
+    CheckpointConfig, DataConfig, FaultToleranceConfig, LoopConfig, RunConfig, TrainConfig,
+    UserError, WorkersConfig,
+)
+from app.console import Console
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def cluster():
+    """A head node that runs only the driver and the Train controller (0 CPUs); tests add the
+    worker nodes they need."""
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 0,
+            "include_dashboard": False,
+            "_system_config": FAST_RECOVERY_SYSTEM_CONFIG,
+        },
+    )
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+class RecordingConsole(Console):
+    def __init__(self):
+        super().__init__(io.StringIO())
+        self.events: list[dict] = []
+
+    def handle(self, event):
+        self.events.append({**event, "received": time.time()})
+        super().handle(event)
+
+    def of(self, kind):
+        return [event for event in self.events if event["event"] == kind]
+
+
+class BackgroundRun:
+    """launch() in a thread, so the test's main thread can add and remove nodes meanwhile
+    (Cluster.add_node installs signal handlers, which only the main thread may do)."""
+
+    def __init__(self, config, workers, run, fault_tolerance):
+        self.console = RecordingConsole()
+        self.summary = None
+        self.error = None
+        self._thread = threading.Thread(
+            target=self._run, args=(config, workers, run, fault_tolerance), daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, config, workers, run, fault_tolerance):
+        try:
+            self.summary = launcher.launch(
+                config, workers, run, console=self.console, fault_tolerance=fault_tolerance
+            )
+        except BaseException as error:  # handed to the test in result()
+            self.error = error
+
+    def wait_for(self, predicate, timeout_s=120):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = [event for event in self.console.events if predicate(event)]
+            if found:
+                return found[0]
+            if not self._thread.is_alive():
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"not seen in time; events: {self.console.events}, {self.error!r}")
+
+    def result(self, timeout_s=240):
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), "the run did not finish in time"
+        if self.error is not None:
+            raise self.error
+        return self.summary
+
+
+def _digits(epochs, **checkpoint):
+    return TrainConfig(
+        data=DataConfig(dataset="digits"),
+        loop=LoopConfig(epochs=epochs),
+        checkpoint=CheckpointConfig(**checkpoint),
+    )
+
+
+def _elastic(min_workers, max_workers):
+    return WorkersConfig(min_workers=min_workers, max_workers=max_workers)
+
+
+def _assert_each_epoch_once(history, epochs):
+    assert [row["epoch"] for row in history] == list(range(1, epochs + 1))
+
+
+def _wait_until_committed(run_dir: Path, epoch: int, timeout_s: float = 30) -> None:
+    """Until Ray Train has recorded a checkpoint of ``epoch`` (reported checkpoints are recorded
+    when the controller next polls the workers, up to a second later)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            latest = _latest_checkpoint(run_dir)
+            if latest and latest["metrics"]["epoch"] >= epoch:
+                return
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"no checkpoint of epoch {epoch} recorded in {run_dir}")
+
+
+def _connect(cluster):
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
+
+
+def test_group_grows_when_a_node_joins(cluster, tmp_path):
+    cluster.add_node(num_cpus=1)
+    _connect(cluster)
+    run = BackgroundRun(
+        _digits(14), _elastic(1, 2), RunConfig("grow", str(tmp_path)),
+        FaultToleranceConfig(max_failures=3, resize_interval_s=2),
+    )
+    run.wait_for(lambda e: e["event"] == "epoch" and e["world_size"] == 1)
+    joined = time.time()
+    cluster.add_node(num_cpus=1)
+    grown = run.wait_for(lambda e: e["event"] == "start" and e["world_size"] == 2)
+    summary = run.result()
+
+    assert grown["resumed_at_epoch"] >= 1, "the larger group starts from the last checkpoint"
+    assert grown["time"] - joined < 20, "scale-up took longer than 20 s"
+    _assert_each_epoch_once(summary.history, 14)
+    sizes = [row["world_size"] for row in summary.history]
+    assert sizes[0] == 1 and sizes[-1] == 2 and sizes == sorted(sizes)
+
+
+def test_group_shrinks_when_a_node_leaves(cluster, tmp_path):
+    cluster.add_node(num_cpus=1)
+    leaving = cluster.add_node(num_cpus=1)
+    _connect(cluster)
+    run = BackgroundRun(
+        _digits(10), _elastic(1, 2), RunConfig("shrink", str(tmp_path)),
+        FaultToleranceConfig(max_failures=3, resize_interval_s=2),
+    )
+    run.wait_for(lambda e: e["event"] == "epoch" and e["world_size"] == 2)
+    _wait_until_committed(tmp_path / "shrink", epoch=1)
+    removed_at = time.time()
+    cluster.remove_node(leaving)
+    shrunk = run.wait_for(lambda e: e["event"] == "start" and e["received"] > removed_at)
+    summary = run.result()
+
+    assert shrunk["world_size"] == 1 and shrunk["resumed_at_epoch"] >= 1
+    assert shrunk["time"] - removed_at < 15, "recovery took longer than 15 s"
+    _assert_each_epoch_once(summary.history, 10)
+    sizes = [row["world_size"] for row in summary.history]
+    assert 2 in sizes and sizes[-1] == 1
+
+
+def _train_worker_processes():
+    return [
+        process for process in psutil.process_iter(["cmdline"])
+        if any("RayTrainWorker" in part for part in (process.info["cmdline"] or []))
+    ]
+
+
+def test_killed_worker_recovers_to_the_undisturbed_accuracy(cluster, tmp_path, mnist_dir):
+    """kill -9 of a worker mid-epoch: the run resumes from the last step checkpoint, trains each
+    epoch once, and ends within 0.5 pp of an undisturbed run with the same seed."""
+    cluster.add_node(num_cpus=2)
+    _connect(cluster)
+    config = TrainConfig(
+        data=DataConfig(dataset="mnist", data_dir=str(mnist_dir), download=False),
+        loop=LoopConfig(epochs=3),
+        checkpoint=CheckpointConfig(every_steps=10),
+    )
+    fixed = WorkersConfig(min_workers=2, max_workers=2)
+    tolerant = FaultToleranceConfig(max_failures=2)
+    undisturbed = BackgroundRun(config, fixed, RunConfig("calm", str(tmp_path)), tolerant).result()
+
+    disturbed = BackgroundRun(config, fixed, RunConfig("killed", str(tmp_path)), tolerant)
+    disturbed.wait_for(lambda e: e["event"] == "epoch" and e["epoch"] == 1)
+    time.sleep(2.5)  # well into epoch 2 (63 steps of ~60 ms), past its first step checkpoints
+    victims = _train_worker_processes()
+    assert len(victims) == 2
+    killed_at = time.time()
+    victims[-1].send_signal(signal.SIGKILL)
+    restarted = disturbed.wait_for(lambda e: e["event"] == "start" and e["received"] > killed_at)
+    summary = disturbed.result()
+
+    assert restarted["resumed_at_epoch"] == 1 and restarted["resumed_at_epoch_step"] >= 10
+    assert restarted["time"] - killed_at < 15, "recovery took longer than 15 s"
+    _assert_each_epoch_once(summary.history, 3)
+    gap = abs(summary.history[-1]["val_accuracy"] - undisturbed.history[-1]["val_accuracy"])
+    assert gap <= 0.005, (summary.history, undisturbed.history)
+    assert summary.history[-1]["val_accuracy"] >= 0.97
+
+
+def _latest_checkpoint(run_dir: Path) -> dict:
+    snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+    return snapshot["latest_checkpoint_result"]
+
+
+def test_killed_driver_rerun_resumes_at_the_right_epoch_and_step(cluster, tmp_path):
+    cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    run_dir = tmp_path / "runs" / "driver"
+    command = [
+        sys.executable, "-m", "app.train", "--address", cluster.address, "--num-workers", "2",
+        "--dataset", "digits", "--epochs", "40", "--checkpoint-every-steps", "5",
+        "--storage-path", str(tmp_path / "runs"), "--name", "driver",
+    ]
+    with open(tmp_path / "first.log", "w") as log:
+        driver = subprocess.Popen(command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if (run_dir / "checkpoint_manager_snapshot.json").exists():
+            latest = _latest_checkpoint(run_dir)
+            if latest and latest["metrics"]["kind"] == "partial" and latest["metrics"]["epoch"] >= 1:
+                break
+        time.sleep(0.1)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait(timeout=30)
+    latest = _latest_checkpoint(run_dir)["metrics"]
+    epoch, epoch_step = latest["epoch"], latest.get("epoch_step", 0)
+
+    command[command.index("40")] = str(epoch + 2)
+    rerun = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    expected = (
+        f"at step {epoch_step} of epoch {epoch + 1} of {epoch + 2}" if epoch_step
+        else f"after epoch {epoch} of {epoch + 2}"
+    )
+    assert f"Resumed from the checkpoint {expected}" in rerun.stdout, rerun.stdout
+    rows = (run_dir / "metrics.csv").read_text().splitlines()[1:]
+    assert [int(row.split(",")[0]) for row in rows] == list(range(1, epoch + 3))
+
+
+def test_drained_node_gets_a_checkpoint_before_its_deadline(cluster, tmp_path, monkeypatch):
+    # Ray Train's preemption watcher polls every 5 s by default; this test's deadline is short.
+    monkeypatch.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")
+    cluster.add_node(num_cpus=1)
+    drained = cluster.add_node(num_cpus=1)
+    _connect(cluster)
+    run = BackgroundRun(
+        _digits(40, preemption_check_steps=2), _elastic(1, 2), RunConfig("drain", str(tmp_path)),
+        FaultToleranceConfig(max_failures=3, resize_interval_s=2),
+    )
+    run.wait_for(lambda e: e["event"] == "epoch" and e["world_size"] == 2)
+    deadline_s = 20
+    drained_at = time.time()
+    subprocess.run(
+        ["ray", "drain-node", "--address", cluster.address, "--node-id", drained.node_id,
+         "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim",
+         "--deadline-remaining-seconds", str(deadline_s)],
+        check=True, capture_output=True, timeout=30, env={**os.environ, "PATH": _bin_path()},
+    )
+    saved = run.wait_for(lambda e: e["event"] == "partial" and e["reason"] == "preemption", 60)
+    assert saved["received"] < drained_at + deadline_s
+    checkpoint_dir = tmp_path / "drain" / (
+        f"checkpoint_epoch_{saved['epoch'] + 1:04d}_step_{saved['epoch_step']:06d}"
+    )
+    assert (checkpoint_dir / "state.pt").exists()
+    assert "A node is being drained" in run.console.stream.getvalue()
+    cluster.remove_node(drained)  # the reclaim itself
+    summary = run.result()
+    _assert_each_epoch_once(summary.history, 40)
+
+
+def _bin_path():
+    return f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def test_unattainable_minimum_fails_within_the_placement_timeout(cluster, tmp_path):
+    cluster.add_node(num_cpus=1)
+    leaving = cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+
+    # At the start: the CLI waits --placement-timeout for capacity, then says what is missing.
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "app.train", "--address", cluster.address, "--num-workers",
+         "3-4", "--dataset", "digits", "--placement-timeout", "3",
+         "--storage-path", str(tmp_path / "cli")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "can never host 3 worker(s)" in result.stderr and "2 CPUs" in result.stderr
+    assert time.monotonic() - started < 3 + 15
+
+    # During a run: a node leaves and the minimum no longer fits anywhere.
+    _connect(cluster)
+    run = BackgroundRun(
+        _digits(200), _elastic(2, 2), RunConfig("stuck", str(tmp_path)),
+        FaultToleranceConfig(max_failures=3, placement_timeout_s=4),
+    )
+    run.wait_for(lambda e: e["event"] == "epoch")
+    removed_at = time.monotonic()
+    cluster.remove_node(leaving)
+    with pytest.raises(UserError, match="fewer than the minimum 2 worker"):
+        run.result(timeout_s=60)
+    assert time.monotonic() - removed_at < 4 + 10
+    assert (tmp_path / "stuck" / "checkpoint_epoch_0001" / "state.pt").exists()
