@@ -208,7 +208,8 @@ def test_killed_worker_recovers_to_the_undisturbed_accuracy(cluster, tmp_path, m
     restarted = disturbed.wait_for(lambda e: e["event"] == "start" and e["received"] > killed_at)
     summary = disturbed.result()
 
-    assert restarted["resumed_at_epoch"] == 1 and restarted["resumed_at_epoch_step"] >= 10
+    # Resumed inside epoch 2 from a step checkpoint (every 10 global steps; epoch 1 had 63).
+    assert restarted["resumed_at_epoch"] == 1 and restarted["resumed_at_epoch_step"] > 0
     assert restarted["time"] - killed_at < 15, "recovery took longer than 15 s"
     _assert_each_epoch_once(summary.history, 3)
     gap = abs(summary.history[-1]["val_accuracy"] - undisturbed.history[-1]["val_accuracy"])
