@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any, TextIO
 
 _ROW = "{epoch:>7} {world:>8} {train_loss:>11} {val_loss:>9} {val_acc:>8} {throughput:>10} {seconds:>8}"
 
 
 class Console:
+    """Prints a run's progress events; keeps them, with their arrival time, in ``events``."""
+
     def __init__(self, stream: TextIO = sys.stdout):
         self.stream = stream
+        self.events: list[dict[str, Any]] = []
         self._header_shown = False
 
     def line(self, text: str = "") -> None:
@@ -65,6 +69,7 @@ class Console:
         )
 
     def handle(self, event: dict[str, Any]) -> None:
+        self.events.append({**event, "received": time.time()})
         if event["event"] == "start":
             self.start(event)
         elif event["event"] == "epoch":

@@ -46,25 +46,12 @@ def cluster():
     cluster.shutdown()
 
 
-class RecordingConsole(Console):
-    def __init__(self):
-        super().__init__(io.StringIO())
-        self.events: list[dict] = []
-
-    def handle(self, event):
-        self.events.append({**event, "received": time.time()})
-        super().handle(event)
-
-    def of(self, kind):
-        return [event for event in self.events if event["event"] == kind]
-
-
 class BackgroundRun:
     """launch() in a thread, so the test's main thread can add and remove nodes meanwhile
     (Cluster.add_node installs signal handlers, which only the main thread may do)."""
 
     def __init__(self, config, workers, run, fault_tolerance):
-        self.console = RecordingConsole()
+        self.console = Console(io.StringIO())
         self.summary = None
         self.error = None
         self._thread = threading.Thread(

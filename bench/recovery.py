@@ -1,0 +1,177 @@
+"""Recovery and scale-up latency of elastic training, on a real multi-node Ray cluster on this
+machine (ray.cluster_utils.Cluster), and the accuracy of a disturbed vs an undisturbed run.
+
+Times are from the disturbance (kill, node removal, node join) to the moment the new worker group
+is about to take its first training step (the "start" event rank 0 sends before its first step).
+
+    python bench/recovery.py --data-dir ../shared/datasets/mnist
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import ray
+from ray.cluster_utils import Cluster
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from throughput import prepare  # noqa: E402
+
+from app import launcher  # noqa: E402
+from app.cluster import FAST_RECOVERY_SYSTEM_CONFIG  # noqa: E402
+from app.config import (  # noqa: E402
+    CheckpointConfig, DataConfig, FaultToleranceConfig, LoopConfig, RunConfig, TrainConfig,
+    WorkersConfig,
+)
+from app.console import Console  # noqa: E402
+
+
+def _start_cluster(worker_nodes: list[int]) -> tuple[Cluster, list]:
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "include_dashboard": False,
+                        "_system_config": FAST_RECOVERY_SYSTEM_CONFIG},
+    )
+    nodes = [cluster.add_node(num_cpus=cpus) for cpus in worker_nodes]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
+    return cluster, nodes
+
+
+def _launch_in_background(config, workers, name, storage, fault_tolerance):
+    console = Console(io.StringIO())
+    outcome = {}
+
+    def run():
+        try:
+            outcome["summary"] = launcher.launch(
+                config, workers, RunConfig(name, storage), console=console,
+                fault_tolerance=fault_tolerance,
+            )
+        except BaseException as error:  # reported by the caller
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return console, thread, outcome
+
+
+def _wait(console, predicate, timeout_s=180):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for event in console.events:
+            if predicate(event):
+                return event
+        time.sleep(0.05)
+    raise RuntimeError(f"timed out; events so far: {console.events}")
+
+
+def _finish(thread, outcome):
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["summary"]
+
+
+def scenario(worker_nodes, workers, config, storage, name, disturb, settle):
+    """Start a run, wait for ``settle`` to be seen, ``disturb`` the cluster; returns the seconds
+    until the next worker group starts, and the run's summary."""
+    cluster, nodes = _start_cluster(worker_nodes)
+    try:
+        console, thread, outcome = _launch_in_background(
+            config, workers, name, storage,
+            FaultToleranceConfig(max_failures=3, resize_interval_s=2),
+        )
+        _wait(console, settle)
+        disturbed_at = time.time()
+        disturb(cluster, nodes)
+        restart = _wait(
+            console, lambda e: e["event"] == "start" and e["received"] > disturbed_at
+        )
+        summary = _finish(thread, outcome)
+        return restart["time"] - disturbed_at, restart, summary
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _kill_a_worker(cluster, nodes):
+    victims = [
+        process for process in psutil.process_iter(["cmdline"])
+        if any("RayTrainWorker" in part for part in (process.info["cmdline"] or []))
+    ]
+    victims[-1].send_signal(signal.SIGKILL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir", default="../shared/datasets/mnist")
+    parser.add_argument("--epochs", type=int, default=3)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as scratch:
+        data_dir = Path(scratch) / "data"
+        prepare(args.data_dir, data_dir, 8_000)
+        storage = str(Path(scratch) / "runs")
+        mnist = TrainConfig(
+            data=DataConfig(dataset="mnist", data_dir=str(data_dir), download=False),
+            loop=LoopConfig(epochs=args.epochs),
+            checkpoint=CheckpointConfig(every_steps=10),
+        )
+        fixed_two = WorkersConfig(min_workers=2, max_workers=2)
+        elastic = WorkersConfig(min_workers=1, max_workers=2)
+        first_epoch = lambda e: e["event"] == "epoch" and e["epoch"] == 1  # noqa: E731
+
+        cluster, _ = _start_cluster([2])
+        try:
+            console, thread, outcome = _launch_in_background(
+                mnist, fixed_two, "undisturbed", storage, FaultToleranceConfig()
+            )
+            undisturbed = _finish(thread, outcome)
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+
+        def kill_mid_epoch(cluster, nodes):
+            time.sleep(2.0)
+            _kill_a_worker(cluster, nodes)
+
+        kill_s, _, killed = scenario(
+            [2], fixed_two, mnist, storage, "worker-kill", kill_mid_epoch, first_epoch
+        )
+        # The sleep inside the disturbance is not recovery time.
+        kill_s -= 2.0
+        remove_s, _, _ = scenario(
+            [1, 1], elastic, mnist, storage, "node-removal",
+            lambda cluster, nodes: cluster.remove_node(nodes[-1]),
+            lambda e: e["event"] == "epoch" and e["world_size"] == 2,
+        )
+        join_s, grown, _ = scenario(
+            [1], elastic, mnist, storage, "node-join",
+            lambda cluster, nodes: cluster.add_node(num_cpus=1),
+            first_epoch,
+        )
+        assert grown["world_size"] == 2
+
+    calm = undisturbed.history[-1]["val_accuracy"]
+    disturbed = killed.history[-1]["val_accuracy"]
+    print(f"{'measure':<44} {'value':>9} {'goal':>9}")
+    print(f"{'recovery after kill -9 of a worker (s)':<44} {kill_s:>9.1f} {'<= 15':>9}")
+    print(f"{'recovery after a node is removed (s)':<44} {remove_s:>9.1f} {'<= 15':>9}")
+    print(f"{'scale-up after a node joins (s)':<44} {join_s:>9.1f} {'<= 20':>9}")
+    print(f"{'val accuracy, undisturbed (%)':<44} {100 * calm:>9.2f}")
+    print(f"{'val accuracy, worker killed (%)':<44} {100 * disturbed:>9.2f}")
+    print(f"{'accuracy gap (pp)':<44} {100 * abs(calm - disturbed):>9.2f} {'<= 0.5':>9}")
+
+
+if __name__ == "__main__":
+    main()
