@@ -19,7 +19,7 @@ _COLUMNS = (
 )
 
 
-def _write(uri: str, payload: bytes) -> None:
+def write_file(uri: str, payload: bytes) -> None:
     filesystem, path = pyarrow.fs.FileSystem.from_uri(uri)
     with filesystem.open_output_stream(path) as stream:
         stream.write(payload)
@@ -62,6 +62,6 @@ def write(run_uri: str, history: list[dict[str, Any]], title: str) -> tuple[str,
     """Write metrics.csv and curves.png under ``run_uri``; returns their locations."""
     metrics_uri = f"{run_uri.rstrip('/')}/{METRICS_FILE}"
     curves_uri = f"{run_uri.rstrip('/')}/{CURVES_FILE}"
-    _write(metrics_uri, metrics_csv(history))
-    _write(curves_uri, curves_png(history, title))
+    write_file(metrics_uri, metrics_csv(history))
+    write_file(curves_uri, curves_png(history, title))
     return metrics_uri, curves_uri

@@ -19,10 +19,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.fspath.strpath)
 
 
-@pytest.fixture(scope="session")
-def mnist_dir(tmp_path_factory) -> Path:
-    """A data dir in torchvision's layout: the first 8,000 real images as the training split,
-    the last 2,000 as the validation split."""
+def _real_mnist():
     from app import data
 
     source = os.environ.get(MNIST_ENV)
@@ -31,15 +28,35 @@ def mnist_dir(tmp_path_factory) -> Path:
     raw = Path(source) / "MNIST" / "raw"
     if not (raw / "t10k-images-idx3-ubyte.gz").exists():
         pytest.skip(f"{MNIST_ENV}={source} has no MNIST/raw/t10k-images-idx3-ubyte.gz")
-    images = data.read_idx(raw / "t10k-images-idx3-ubyte.gz")
-    labels = data.read_idx(raw / "t10k-labels-idx1-ubyte.gz")
-    root = tmp_path_factory.mktemp("mnist")
+    return data.read_idx(raw / "t10k-images-idx3-ubyte.gz"), data.read_idx(
+        raw / "t10k-labels-idx1-ubyte.gz"
+    )
+
+
+def _write_split(root: Path, num_train: int, num_val: int) -> Path:
+    """A data dir in torchvision's layout: the first ``num_train`` real images as the training
+    split, the last ``num_val`` as the validation split (gzip, to cover both file forms)."""
+    from app import data
+
+    images, labels = _real_mnist()
     out = root / "MNIST" / "raw"
-    data.write_idx(out / "train-images-idx3-ubyte", images[:NUM_TRAIN])
-    data.write_idx(out / "train-labels-idx1-ubyte", labels[:NUM_TRAIN])
-    data.write_idx(out / "t10k-images-idx3-ubyte.gz", images[NUM_TRAIN:])
-    data.write_idx(out / "t10k-labels-idx1-ubyte.gz", labels[NUM_TRAIN:])
+    data.write_idx(out / "train-images-idx3-ubyte", images[:num_train])
+    data.write_idx(out / "train-labels-idx1-ubyte", labels[:num_train])
+    data.write_idx(out / "t10k-images-idx3-ubyte.gz", images[-num_val:])
+    data.write_idx(out / "t10k-labels-idx1-ubyte.gz", labels[-num_val:])
     return root
+
+
+@pytest.fixture(scope="session")
+def mnist_dir(tmp_path_factory) -> Path:
+    """The 10,000 real images: 8,000 to train on, 2,000 to validate on."""
+    return _write_split(tmp_path_factory.mktemp("mnist"), NUM_TRAIN, 10_000 - NUM_TRAIN)
+
+
+@pytest.fixture(scope="session")
+def small_mnist_dir(tmp_path_factory) -> Path:
+    """2,000 real images to train on and 500 to validate on, for sweeps of many short runs."""
+    return _write_split(tmp_path_factory.mktemp("small-mnist"), 2_000, 500)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,147 @@
+"""A finished sweep, summarised: the ranked trial table and the scaling report (throughput and
+time to a target accuracy against world size). Pure functions on plain records; no Ray."""
+
+from __future__ import annotations
+
+import io
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    trial_id: str
+    lr: float
+    world_size: int
+    global_batch_size: int
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+    """Per-epoch metrics as reported to Tune (val_accuracy, samples_per_second, time_total_s)."""
+    planned_epochs: int = 0
+
+    @property
+    def best(self) -> dict[str, Any] | None:
+        return max(self.epochs, key=lambda row: row["val_accuracy"]) if self.epochs else None
+
+    @property
+    def best_accuracy(self) -> float:
+        return self.best["val_accuracy"] if self.best else 0.0
+
+    @property
+    def throughput(self) -> float:
+        """Steady samples/s: the median over epochs after the first, which pays the warm-up."""
+        rates = [row["samples_per_second"] for row in self.epochs]
+        steady = rates[1:] or rates
+        return statistics.median(steady) if steady else 0.0
+
+    @property
+    def stopped_early(self) -> bool:
+        return len(self.epochs) < self.planned_epochs
+
+    def time_to(self, accuracy: float) -> float | None:
+        """Seconds of the trial until validation accuracy first reached ``accuracy``."""
+        for row in self.epochs:
+            if row["val_accuracy"] >= accuracy:
+                return row["time_total_s"]
+        return None
+
+
+def ranked(trials: list[TrialRecord]) -> list[TrialRecord]:
+    return sorted(trials, key=lambda trial: trial.best_accuracy, reverse=True)
+
+
+def trial_table(trials: list[TrialRecord]) -> str:
+    lines = [
+        f"{'rank':>4}  {'trial':<12} {'lr':>9} {'workers':>7} {'batch':>6} {'best acc':>9} "
+        f"{'epoch':>5} {'samples/s':>10} {'time to best':>13}  status"
+    ]
+    for position, trial in enumerate(ranked(trials), start=1):
+        best = trial.best
+        status = "stopped early" if trial.stopped_early else "completed"
+        to_best = f"{best['time_total_s']:.1f} s" if best else "-"
+        lines.append(
+            f"{position:>4}  {trial.trial_id:<12} {trial.lr:>9.4g} {trial.world_size:>7} "
+            f"{trial.global_batch_size:>6} {100 * trial.best_accuracy:>8.2f}% "
+            f"{best['epoch'] if best else '-':>5} {trial.throughput:>10,.0f} "
+            f"{to_best:>13}  {status}"
+        )
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class ScalingRow:
+    world_size: int
+    throughput: float
+    """Best steady samples/s among the trials of this world size."""
+    efficiency: float | None
+    """throughput / (world_size x throughput at world size 1); None without a size-1 trial."""
+    time_to_target: float | None
+    """Fastest time to the target accuracy among the trials of this world size."""
+
+
+def scaling(trials: list[TrialRecord], target_accuracy: float) -> list[ScalingRow]:
+    sizes = sorted({trial.world_size for trial in trials})
+    throughput = {
+        size: max(t.throughput for t in trials if t.world_size == size) for size in sizes
+    }
+    rows = []
+    for size in sizes:
+        times = [t.time_to(target_accuracy) for t in trials if t.world_size == size]
+        reached = [seconds for seconds in times if seconds is not None]
+        base = throughput.get(1)
+        rows.append(
+            ScalingRow(
+                world_size=size,
+                throughput=throughput[size],
+                efficiency=throughput[size] / (size * base) if base else None,
+                time_to_target=min(reached) if reached else None,
+            )
+        )
+    return rows
+
+
+def scaling_table(rows: list[ScalingRow], target_accuracy: float) -> str:
+    lines = [
+        f"{'workers':>7} {'samples/s':>10} {'efficiency':>10} "
+        f"{f'time to {100 * target_accuracy:g}%':>16}"
+    ]
+    for row in rows:
+        efficiency = f"{100 * row.efficiency:.0f}%" if row.efficiency is not None else "-"
+        reached = f"{row.time_to_target:.1f} s" if row.time_to_target is not None else "not reached"
+        lines.append(
+            f"{row.world_size:>7} {row.throughput:>10,.0f} {efficiency:>10} {reached:>16}"
+        )
+    return "\n".join(lines)
+
+
+def scaling_png(rows: list[ScalingRow], target_accuracy: float, title: str) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    sizes = [row.world_size for row in rows]
+    figure, (throughput_axes, time_axes) = pyplot.subplots(1, 2, figsize=(10, 4))
+    throughput_axes.plot(sizes, [row.throughput for row in rows], "o-", label="measured")
+    if rows and rows[0].world_size == 1:
+        ideal = [rows[0].throughput * size for size in sizes]
+        throughput_axes.plot(sizes, ideal, "--", color="grey", label="linear scaling")
+    throughput_axes.set(xlabel="workers", ylabel="samples/s", title="Throughput")
+    throughput_axes.legend()
+    reached = [row for row in rows if row.time_to_target is not None]
+    time_axes.plot(
+        [row.world_size for row in reached], [row.time_to_target for row in reached], "o-"
+    )
+    time_axes.set(
+        xlabel="workers", ylabel="seconds",
+        title=f"Time to {100 * target_accuracy:g}% validation accuracy",
+    )
+    for axes in (throughput_axes, time_axes):
+        axes.grid(alpha=0.3)
+        axes.set_xticks(sizes)
+    figure.suptitle(title)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100)
+    pyplot.close(figure)
+    return buffer.getvalue()

@@ -1,0 +1,343 @@
+"""Command line: ``python -m app.tune`` — Ray Tune sweeps of whole distributed training runs.
+
+Each trial is a Ray Train run of its own world size (the Ray Train V2 pattern: Tune runs a driver
+function per trial that builds and fits a TorchTrainer and forwards its reports to Tune), so "how
+many workers is worth it" is swept like any other hyperparameter, and the scaling report answers
+it with measured numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from app.config import (
+    DATASETS, CheckpointConfig, DataConfig, FaultToleranceConfig, LoopConfig, OptimConfig,
+    RunConfig, TrainConfig, UserError, WorkersConfig,
+)
+from app.console import Console
+from app.train import EXIT_INTERRUPTED, EXIT_USER_ERROR, _HelpFormatter, _Parser, _storage_uri
+
+TRAIN_RUNS = "train_runs"
+TABLE_FILE = "trials.txt"
+SCALING_FILE = "scaling.png"
+
+
+# --- what runs inside Tune ------------------------------------------------------------------
+
+def _epoch_reports_to_tune():
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    class EpochReportsToTune(TuneReportCallback):
+        """Forwards epoch reports only: mid-epoch checkpoints carry no validation metrics."""
+
+        def after_report(self, run_context, metrics, checkpoint):
+            if metrics and metrics[0].get("kind") == "epoch":
+                super().after_report(run_context, metrics, checkpoint)
+
+    return EpochReportsToTune()
+
+
+def run_trial(config: dict[str, Any]) -> None:
+    """One trial: a whole distributed training run with the trial's world size and config."""
+    import ray.tune
+
+    from app.launcher import make_trainer
+
+    trial_id = ray.tune.get_context().get_trial_id()
+    workers = WorkersConfig(
+        min_workers=config["num_workers"], max_workers=config["num_workers"],
+        use_gpu=config["use_gpu"], cpus_per_worker=config["cpus_per_worker"],
+    )
+    trainer = make_trainer(
+        TrainConfig.from_dict(config["train"]),
+        workers,
+        # Named from the trial id: a resumed sweep resumes each trial's own training run.
+        RunConfig(name=f"trial-{trial_id}", storage_path=config["train_storage"]),
+        fault_tolerance=FaultToleranceConfig(max_failures=config["max_failures"]),
+        verbose=False,
+        callbacks=[_epoch_reports_to_tune()],
+    )
+    trainer.fit()
+
+
+# --- the sweep --------------------------------------------------------------------------------
+
+def _parse_list(text: str, kind, flag: str) -> list:
+    try:
+        values = [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"{flag} must be a comma-separated list, got {text!r}") from None
+    if not values:
+        raise UserError(f"{flag} must name at least one value")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="python -m app.tune",
+        description=(
+            "Ray Tune sweep over learning rate, world size and batch size; every trial is a "
+            "whole distributed training run. Ends with the trials ranked and a scaling report "
+            "(throughput and time to a target accuracy against the number of workers)."
+        ),
+        formatter_class=_HelpFormatter,
+    )
+    space = parser.add_argument_group("search space")
+    space.add_argument(
+        "--lr-range", default="0.05,1.0", metavar="MIN,MAX",
+        help="learning rates sampled log-uniformly from this range",
+    )
+    space.add_argument(
+        "--lr", default=None, metavar="LR[,LR...]",
+        help="grid of learning rates to try instead of sampling --lr-range",
+    )
+    space.add_argument(
+        "--num-workers", default="1,2", metavar="N[,N...]", help="world sizes to try (a grid)"
+    )
+    space.add_argument(
+        "--global-batch-size", default="128", metavar="B[,B...]",
+        help="global batch sizes to try (a grid)",
+    )
+    space.add_argument(
+        "--num-samples", type=int, default=2,
+        help="learning rates drawn per (world size, batch size) pair (with --lr: repeats)",
+    )
+    sweep = parser.add_argument_group("sweep")
+    sweep.add_argument("--scheduler", choices=("asha", "fifo"), default="asha",
+                       help="asha stops trials whose validation accuracy trails, per epoch")
+    sweep.add_argument(
+        "--max-concurrent-trials", type=int, default=None,
+        help="trials running at once [default: as many as the cluster can give the largest "
+        "world size in the sweep workers at the same time]",
+    )
+    sweep.add_argument(
+        "--target-accuracy", type=float, default=0.95,
+        help="validation accuracy whose time-to-reach the scaling report compares",
+    )
+    sweep.add_argument("--name", default=None, help="sweep name [default: sweep-<time>]")
+    sweep.add_argument("--storage-path", default="runs",
+                       help="where sweeps are kept (local folder or s3://bucket/prefix)")
+    sweep.add_argument("--resume", action="store_true",
+                       help="continue the interrupted sweep --name; finished trials are kept")
+    sweep.add_argument("--show", action="store_true",
+                       help="print the tables of the finished sweep --name and exit")
+    training = parser.add_argument_group("training (every trial)")
+    training.add_argument("--epochs", type=int, default=4, help="epochs per trial")
+    training.add_argument("--dataset", choices=DATASETS, default="mnist", help="data set")
+    training.add_argument("--data-dir", default="data", help="folder with the data set")
+    training.add_argument("--seed", type=int, default=0, help="random seed")
+    training.add_argument("--use-gpu", action="store_true", help="one GPU per worker")
+    training.add_argument("--cpus-per-worker", type=int, default=1, help="CPUs per worker")
+    training.add_argument(
+        "--address", default=os.environ.get("RAY_ADDRESS"),
+        help="Ray cluster to join [default: RAY_ADDRESS if set, else an embedded cluster]",
+    )
+    training.add_argument("--verbose", action="store_true", help="show Ray's own logs")
+    return parser
+
+
+def _param_space(args, train_storage: str) -> dict[str, Any]:
+    from ray import tune
+
+    lr_range = _parse_list(args.lr_range, float, "--lr-range")
+    if len(lr_range) != 2 or not 0 < lr_range[0] < lr_range[1]:
+        raise UserError(f"--lr-range must be MIN,MAX with 0 < MIN < MAX, got {args.lr_range!r}")
+    lrs = _parse_list(args.lr, float, "--lr") if args.lr else None
+    batches = _parse_list(args.global_batch_size, int, "--global-batch-size")
+    # Validate one concrete config now: a bad value fails here, not in every trial.
+    template = TrainConfig(
+        data=DataConfig(dataset=args.dataset, data_dir=args.data_dir),
+        optim=OptimConfig(lr=(lrs or lr_range)[0]),
+        loop=LoopConfig(epochs=args.epochs, global_batch_size=min(batches), seed=args.seed),
+        checkpoint=CheckpointConfig(num_to_keep=1),
+    )
+    for value in (lrs or []) + batches:
+        if value <= 0:
+            raise UserError(f"learning rates and batch sizes must be > 0, got {value}")
+    train = template.to_dict()
+    train["optim"]["lr"] = tune.grid_search(lrs) if lrs else tune.loguniform(*lr_range)
+    train["loop"]["global_batch_size"] = tune.grid_search(batches)
+    return {
+        "train": train,
+        "num_workers": tune.grid_search(args.world_sizes),
+        "use_gpu": args.use_gpu,
+        "cpus_per_worker": args.cpus_per_worker,
+        "train_storage": train_storage,
+        "max_failures": 1,
+    }
+
+
+def _default_concurrency(args) -> int:
+    from app import cluster
+
+    largest = WorkersConfig(
+        min_workers=max(args.world_sizes), max_workers=max(args.world_sizes),
+        use_gpu=args.use_gpu, cpus_per_worker=args.cpus_per_worker,
+    )
+    cluster.check_capacity(largest)  # a world size the cluster can never host: refused now
+    nodes = [n["Resources"] for n in __import__("ray").nodes() if n.get("Alive")]
+    return max(1, cluster.workers_that_fit(nodes, largest) // max(args.world_sizes))
+
+
+def _trainable():
+    from ray import tune
+
+    # The trial function only drives its Ray Train run, whose workers hold the CPUs and GPUs;
+    # it must not take a CPU from them. Tune refuses an empty request, so it asks for memory.
+    return tune.with_resources(run_trial, {"CPU": 0, "memory": 256 * 1024**2})
+
+
+def _records(result_grid):
+    from app.sweep_report import TrialRecord
+
+    records = []
+    for result in result_grid:
+        if result.config is None:
+            continue
+        frame = result.metrics_dataframe
+        rows = [] if frame is None or "val_accuracy" not in frame else [
+            {key: row[key] for key in ("epoch", "val_accuracy", "samples_per_second",
+                                       "time_total_s", "checkpoint_path") if key in row}
+            for row in frame.to_dict("records")
+        ]
+        records.append(TrialRecord(
+            trial_id=result.metrics.get("trial_id", Path(result.path).name) if result.metrics
+            else Path(result.path).name,
+            lr=result.config["train"]["optim"]["lr"],
+            world_size=result.config["num_workers"],
+            global_batch_size=result.config["train"]["loop"]["global_batch_size"],
+            epochs=rows,
+            planned_epochs=result.config["train"]["loop"]["epochs"],
+        ))
+    return records
+
+
+def report(sweep_uri: str, result_grid, target_accuracy: float, console: Console) -> None:
+    """Print and write the ranked trial table and the scaling report."""
+    from app import results, sweep_report
+
+    records = _records(result_grid)
+    if not records:
+        raise UserError(f"the sweep in {sweep_uri} has no trial results yet")
+    table = sweep_report.trial_table(records)
+    rows = sweep_report.scaling(records, target_accuracy)
+    scaling_text = sweep_report.scaling_table(rows, target_accuracy)
+    best = sweep_report.ranked(records)[0]
+    best_checkpoint = best.best.get("checkpoint_path") if best.best else None
+    results.write_file(f"{sweep_uri}/{TABLE_FILE}", (table + "\n\n" + scaling_text + "\n").encode())
+    results.write_file(
+        f"{sweep_uri}/{SCALING_FILE}",
+        sweep_report.scaling_png(rows, target_accuracy, Path(sweep_uri).name),
+    )
+    console.line()
+    console.line(table)
+    console.line()
+    console.line("Scaling (best trial per world size):")
+    console.line(scaling_text)
+    console.line()
+    console.line(f"Best trial: {best.trial_id}, {100 * best.best_accuracy:.2f}% "
+                 f"(lr {best.lr:.4g}, {best.world_size} workers, batch {best.global_batch_size})")
+    if best_checkpoint:
+        console.line(f"Best checkpoint: {best_checkpoint}")
+    console.line(f"Tables:  {sweep_uri}/{TABLE_FILE}")
+    console.line(f"Scaling: {sweep_uri}/{SCALING_FILE}")
+
+
+def _run(args, console: Console) -> int:
+    import ray
+    from ray import tune
+
+    from app import cluster, launcher
+
+    args.world_sizes = _parse_list(args.num_workers, int, "--num-workers")
+    if min(args.world_sizes) < 1:
+        raise UserError("--num-workers values must be >= 1")
+    if args.num_samples < 1:
+        raise UserError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if not 0 < args.target_accuracy <= 1:
+        raise UserError(f"--target-accuracy must be in (0, 1], got {args.target_accuracy}")
+    if (args.resume or args.show) and not args.name:
+        raise UserError("--resume and --show need the --name of the sweep")
+    storage = _storage_uri(args.storage_path)
+    name = args.name or f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    sweep_uri = f"{storage.rstrip('/')}/{name}"
+    launcher.check_storage(storage)
+
+    cluster.connect(args.address, verbose=args.verbose)
+    try:
+        if args.show or args.resume:
+            if not tune.Tuner.can_restore(sweep_uri):
+                raise UserError(f"no sweep named {name!r} in {storage}")
+            tuner = tune.Tuner.restore(
+                sweep_uri, trainable=_trainable(), resume_unfinished=True, resume_errored=True
+            )
+            if args.show:
+                report(sweep_uri, tuner.get_results(), args.target_accuracy, console)
+                return 0
+        else:
+            if tune.Tuner.can_restore(sweep_uri):
+                raise UserError(
+                    f"a sweep named {name!r} exists in {storage}: add --resume to continue it, "
+                    "--show to see it, or choose another --name"
+                )
+            concurrency = args.max_concurrent_trials or _default_concurrency(args)
+            scheduler = (
+                tune.schedulers.ASHAScheduler(
+                    time_attr="epoch", max_t=args.epochs, grace_period=1, reduction_factor=2
+                ) if args.scheduler == "asha" else tune.schedulers.FIFOScheduler()
+            )
+            tuner = tune.Tuner(
+                _trainable(),
+                param_space=_param_space(args, f"{sweep_uri}/{TRAIN_RUNS}"),
+                tune_config=tune.TuneConfig(
+                    metric="val_accuracy", mode="max", scheduler=scheduler,
+                    num_samples=args.num_samples, max_concurrent_trials=concurrency,
+                ),
+                # verbose=1: the status table, without a box per reported result.
+                run_config=tune.RunConfig(
+                    name=name, storage_path=storage, verbose=2 if args.verbose else 1
+                ),
+            )
+            console.line(f"Sweep {name}: up to {concurrency} trial(s) at a time; "
+                         f"results in {sweep_uri}")
+        result_grid = tuner.fit()
+        report(sweep_uri, result_grid, args.target_accuracy, console)
+        finished = result_grid.num_terminated + result_grid.num_errors
+        if finished < len(result_grid):
+            # Tune stops gracefully on Ctrl-C and returns what it has.
+            print(
+                f"interrupted: {finished} of {len(result_grid)} trials finished; rerun with "
+                f"--name {name} --resume to complete the sweep",
+                file=sys.stderr, flush=True,
+            )
+            return EXIT_INTERRUPTED
+        if result_grid.num_errors:
+            print(f"error: {result_grid.num_errors} trial(s) failed; their logs are under "
+                  f"{sweep_uri}", file=sys.stderr, flush=True)
+            return 1
+    finally:
+        ray.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console()
+    try:
+        return _run(args, console)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("interrupted: finished trials are kept; rerun with --resume to continue",
+              file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Ray Tune sweeps of whole training runs, through the command line, on real local clusters."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+pytestmark = pytest.mark.integration
+
+
+def _tune(*args, cwd, timeout=600, address=None):
+    command = [sys.executable, "-m", "app.tune", *args]
+    if address:
+        command += ["--address", address]
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def _table_rows(path: Path) -> list[list[str]]:
+    """The ranked trial rows of trials.txt, split into columns."""
+    lines = path.read_text().split("\n\n")[0].splitlines()[1:]
+    return [line.split() for line in lines]
+
+
+def test_sweep_ranks_trials_and_reports_scaling(small_mnist_dir, tmp_path):
+    result = _tune(
+        "--lr", "0.7,0.0001", "--num-workers", "1,2", "--num-samples", "1", "--epochs", "3",
+        "--scheduler", "fifo", "--data-dir", str(small_mnist_dir), "--name", "grid",
+        "--target-accuracy", "0.8", cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    sweep = tmp_path / "runs" / "grid"
+    rows = _table_rows(sweep / "trials.txt")
+    assert len(rows) == 4
+    best = rows[0]
+    assert float(best[2]) == pytest.approx(0.7), "the sensible learning rate wins"
+    assert float(best[5].rstrip("%")) >= 85.0
+    assert {row[3] for row in rows} == {"1", "2"}
+    assert all(float(row[5].rstrip("%")) < 30 for row in rows if float(row[2]) < 0.001)
+    scaling = (sweep / "trials.txt").read_text().split("\n\n")[1]
+    assert "efficiency" in scaling and "100%" in scaling
+    assert (sweep / "scaling.png").read_bytes()[:4] == b"\x89PNG"
+    assert "Best checkpoint:" in result.stdout
+    best_checkpoint = Path(result.stdout.split("Best checkpoint: ")[1].split()[0])
+    assert (best_checkpoint / "state.pt").exists()
+
+    shown = _tune("--name", "grid", "--show", "--target-accuracy", "0.8", cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert "\n".join(" ".join(r) for r in rows[:1]) in "\n".join(
+        " ".join(line.split()) for line in shown.stdout.splitlines()
+    )
+
+
+@pytest.fixture
+def local_cluster():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+def test_asha_stops_a_hopeless_trial_and_no_placement_group_leaks(
+    small_mnist_dir, tmp_path, local_cluster
+):
+    result = _tune(
+        "--lr", "0.7,0.00001", "--num-workers", "1", "--num-samples", "1", "--epochs", "4",
+        "--scheduler", "asha", "--max-concurrent-trials", "1", "--data-dir", str(small_mnist_dir),
+        "--name", "asha", cwd=tmp_path, address=local_cluster,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {float(row[2]): row for row in _table_rows(tmp_path / "runs" / "asha" / "trials.txt")}
+    assert rows[0.7][-1] == "completed"
+    assert rows[1e-5][-2:] == ["stopped", "early"]
+    assert int(rows[1e-5][6]) < 4
+    # Stopped and finished trials released their workers: nothing of ours is left placed.
+    time.sleep(2)
+    leftover = [
+        pg for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"
+    ]
+    assert leftover == []
+
+
+def test_interrupted_sweep_resumes_without_redoing_finished_trials(small_mnist_dir, tmp_path):
+    args = [
+        sys.executable, "-m", "app.tune", "--lr", "0.7,0.5,0.3", "--num-workers", "1",
+        "--num-samples", "1", "--epochs", "2", "--scheduler", "fifo",
+        "--max-concurrent-trials", "1", "--data-dir", str(small_mnist_dir), "--name", "resume",
+    ]
+    train_runs = tmp_path / "runs" / "resume" / "train_runs"
+    with open(tmp_path / "first.log", "w") as log:
+        sweep = subprocess.Popen(args, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+
+    def finished_trials():
+        done = []
+        for run in train_runs.glob("trial-*"):
+            try:
+                latest = json.loads((run / "checkpoint_manager_snapshot.json").read_text())
+            except (FileNotFoundError, json.JSONDecodeError):
+                continue
+            if (latest.get("latest_checkpoint_result") or {}).get("metrics", {}).get("epoch") == 2:
+                done.append(run)
+        return done
+
+    deadline = time.monotonic() + 300
+    while not finished_trials() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    first_done = finished_trials()
+    assert first_done, (tmp_path / "first.log").read_text()[-3000:]
+    time.sleep(3)  # let Tune record the trial as finished and start the next one
+    sweep.send_signal(signal.SIGINT)
+    assert sweep.wait(timeout=120) == 130, (tmp_path / "first.log").read_text()[-3000:]
+    stamps = {run: (run / "checkpoint_manager_snapshot.json").stat().st_mtime for run in first_done}
+
+    resumed = _tune("--name", "resume", "--resume", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    rows = _table_rows(tmp_path / "runs" / "resume" / "trials.txt")
+    assert len(rows) == 3 and all(row[-1] == "completed" for row in rows)
+    for run, stamp in stamps.items():
+        assert (run / "checkpoint_manager_snapshot.json").stat().st_mtime == stamp, (
+            f"{run.name} was trained again"
+        )
+
+
+def test_world_size_the_cluster_can_never_host_is_refused(tmp_path):
+    started = time.monotonic()
+    result = _tune("--num-workers", "1,4", "--dataset", "digits", cwd=tmp_path, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "can never host 4 worker(s)" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert time.monotonic() - started < 30
+
+
+def test_bad_sweep_flags_are_one_line_errors(tmp_path):
+    for args, expected in (
+        (["--lr-range", "1,0.1"], "--lr-range must be MIN,MAX"),
+        (["--num-workers", "a,b"], "--num-workers must be a comma-separated list"),
+        (["--show"], "--resume and --show need the --name"),
+        (["--name", "nothing", "--show"], "no sweep named 'nothing'"),
+    ):
+        result = _tune(*args, "--dataset", "digits", cwd=tmp_path, timeout=60)
+        assert result.returncode == 2, (args, result.stderr)
+        assert expected in result.stderr and "Traceback" not in result.stderr
