@@ -25,6 +25,12 @@ def write_file(uri: str, payload: bytes) -> None:
         stream.write(payload)
 
 
+def read_file(uri: str) -> bytes:
+    filesystem, path = pyarrow.fs.FileSystem.from_uri(uri)
+    with filesystem.open_input_stream(path) as stream:
+        return stream.read()
+
+
 def metrics_csv(history: list[dict[str, Any]]) -> bytes:
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=_COLUMNS, extrasaction="ignore")

@@ -9,6 +9,7 @@ it with measured numbers.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -24,6 +25,8 @@ from app.train import EXIT_INTERRUPTED, EXIT_USER_ERROR, _HelpFormatter, _Parser
 
 TRAIN_RUNS = "train_runs"
 TABLE_FILE = "trials.txt"
+SWEEP_FILE = "sweep.json"
+"""What the sweep was asked for, kept for --resume and --show."""
 SCALING_FILE = "scaling.png"
 
 
@@ -252,7 +255,7 @@ def _run(args, console: Console) -> int:
     import ray
     from ray import tune
 
-    from app import cluster, launcher
+    from app import cluster, launcher, results
 
     args.world_sizes = _parse_list(args.num_workers, int, "--num-workers")
     if min(args.world_sizes) < 1:
@@ -276,8 +279,12 @@ def _run(args, console: Console) -> int:
             tuner = tune.Tuner.restore(
                 sweep_uri, trainable=_trainable(), resume_unfinished=True, resume_errored=True
             )
+            try:
+                plan = json.loads(results.read_file(f"{sweep_uri}/{SWEEP_FILE}"))
+            except (OSError, ValueError):
+                raise UserError(f"{sweep_uri} was not made by app.tune (no {SWEEP_FILE})") from None
             if args.show:
-                report(sweep_uri, tuner.get_results(), args.target_accuracy, console)
+                report(sweep_uri, tuner.get_results(), plan["target_accuracy"], console)
                 return 0
         else:
             if tune.Tuner.can_restore(sweep_uri):
@@ -286,6 +293,13 @@ def _run(args, console: Console) -> int:
                     "--show to see it, or choose another --name"
                 )
             concurrency = args.max_concurrent_trials or _default_concurrency(args)
+            num_lrs = len(_parse_list(args.lr, float, "--lr")) if args.lr else 1
+            num_batches = len(_parse_list(args.global_batch_size, int, "--global-batch-size"))
+            plan = {
+                "num_trials": args.num_samples * num_lrs * num_batches * len(args.world_sizes),
+                "target_accuracy": args.target_accuracy,
+                "argv": sys.argv[1:],
+            }
             scheduler = (
                 tune.schedulers.ASHAScheduler(
                     time_attr="epoch", max_t=args.epochs, grace_period=1, reduction_factor=2
@@ -303,15 +317,16 @@ def _run(args, console: Console) -> int:
                     name=name, storage_path=storage, verbose=2 if args.verbose else 1
                 ),
             )
-            console.line(f"Sweep {name}: up to {concurrency} trial(s) at a time; "
-                         f"results in {sweep_uri}")
+            results.write_file(f"{sweep_uri}/{SWEEP_FILE}", json.dumps(plan).encode())
+            console.line(f"Sweep {name}: {plan['num_trials']} trials, up to {concurrency} at a "
+                         f"time; results in {sweep_uri}")
         result_grid = tuner.fit()
-        report(sweep_uri, result_grid, args.target_accuracy, console)
+        report(sweep_uri, result_grid, plan["target_accuracy"], console)
         finished = result_grid.num_terminated + result_grid.num_errors
-        if finished < len(result_grid):
+        if finished < plan["num_trials"]:
             # Tune stops gracefully on Ctrl-C and returns what it has.
             print(
-                f"interrupted: {finished} of {len(result_grid)} trials finished; rerun with "
+                f"interrupted: {finished} of {plan['num_trials']} trials finished; rerun with "
                 f"--name {name} --resume to complete the sweep",
                 file=sys.stderr, flush=True,
             )
