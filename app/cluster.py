@@ -15,7 +15,6 @@ import ray
 
 from app.config import UserError, WorkersConfig
 
-
 # Ray's defaults take 15-30 s to declare a lost node dead (5 missed checks, 3 s apart, after a
 # 5 s delay); training waits for that before it can resume. These settings make it ~3 s.
 # Joining an existing cluster, pass the same to `ray start --system-config`.

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 import queue as queue_module
 import threading
-from dataclasses import dataclass
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow.fs
@@ -19,7 +19,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from app import checkpoint, results
 from app.cluster import ClusterWatch
-from app.config import FaultToleranceConfig, RunConfig, TrainConfig, UserError, WorkersConfig
+from app.config import (
+    FaultToleranceConfig,
+    RunConfig,
+    TrainConfig,
+    UserError,
+    WorkersConfig,
+)
 from app.console import Console
 from app.worker import PROGRESS_KEY, train_loop_per_worker
 

@@ -56,6 +56,13 @@ def curves_png(history: list[dict[str, Any]], title: str) -> bytes:
     for axes in (loss_axes, accuracy_axes):
         axes.grid(alpha=0.3)
         axes.xaxis.get_major_locator().set_params(integer=True)
+    return png_bytes(figure, title)
+
+
+def png_bytes(figure, title: str) -> bytes:
+    """Title, lay out, render and close a matplotlib figure."""
+    from matplotlib import pyplot
+
     figure.suptitle(title)
     figure.tight_layout()
     buffer = io.BytesIO()

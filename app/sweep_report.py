@@ -3,7 +3,6 @@ time to a target accuracy against world size). Pure functions on plain records; 
 
 from __future__ import annotations
 
-import io
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,6 +119,8 @@ def scaling_png(rows: list[ScalingRow], target_accuracy: float, title: str) -> b
     matplotlib.use("Agg")
     from matplotlib import pyplot
 
+    from app.results import png_bytes
+
     sizes = [row.world_size for row in rows]
     figure, (throughput_axes, time_axes) = pyplot.subplots(1, 2, figsize=(10, 4))
     throughput_axes.plot(sizes, [row.throughput for row in rows], "o-", label="measured")
@@ -139,9 +140,4 @@ def scaling_png(rows: list[ScalingRow], target_accuracy: float, title: str) -> b
     for axes in (throughput_axes, time_axes):
         axes.grid(alpha=0.3)
         axes.set_xticks(sizes)
-    figure.suptitle(title)
-    figure.tight_layout()
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=100)
-    pyplot.close(figure)
-    return buffer.getvalue()
+    return png_bytes(figure, title)

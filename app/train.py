@@ -9,35 +9,28 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
+from app.cli import HelpFormatter, Parser, run_main, storage_uri
 from app.config import (
-    DATASETS, PRECISIONS, CheckpointConfig, DataConfig, FaultToleranceConfig, LoopConfig,
-    OptimConfig, RunConfig, TrainConfig, UserError, WorkersConfig, parse_worker_range,
+    DATASETS,
+    PRECISIONS,
+    CheckpointConfig,
+    DataConfig,
+    FaultToleranceConfig,
+    LoopConfig,
+    OptimConfig,
+    RunConfig,
+    TrainConfig,
+    UserError,
+    WorkersConfig,
+    parse_worker_range,
 )
 from app.console import Console
-
-EXIT_USER_ERROR = 2
-EXIT_INTERRUPTED = 130
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except the empty ones (flags, and values derived when unset)."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False:
-            return action.help
-        return super()._get_help_string(action)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, not the whole usage block
-        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     defaults = LoopConfig()
-    parser = _Parser(
+    parser = Parser(
         prog="python -m app.train",
         description=(
             "Data-parallel training of the reference MNIST ConvNet on Ray Train "
@@ -45,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
             "cluster unless --address or RAY_ADDRESS names one to join. Rerunning with the same "
             "--name and --storage-path resumes from the latest checkpoint."
         ),
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     scaling = parser.add_argument_group("workers")
     scaling.add_argument(
@@ -136,10 +129,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _storage_uri(path: str) -> str:
-    return path if "://" in path else str(Path(path).expanduser().resolve())
-
-
 def _resolve_data(args: argparse.Namespace, console: Console, embedded: bool) -> DataConfig:
     """The data set to train on; falls back to the bundled digits only if none was asked for."""
     from app import data
@@ -161,20 +150,11 @@ def _resolve_data(args: argparse.Namespace, console: Console, embedded: bool) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    console = Console()
-    try:
-        return _run(args, console)
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        return EXIT_USER_ERROR
-    except KeyboardInterrupt:
-        print(
-            "interrupted: checkpoints written so far are kept; rerun the same command "
-            "(same --name) to resume",
-            file=sys.stderr, flush=True,
-        )
-        return EXIT_INTERRUPTED
+    return run_main(
+        build_parser(), _run, argv,
+        interrupted="checkpoints written so far are kept; rerun the same command "
+        "(same --name) to resume",
+    )
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:
@@ -204,7 +184,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         resize_interval_s=args.resize_interval,
         placement_timeout_s=args.placement_timeout,
     )
-    storage_path = _storage_uri(args.storage_path)
+    storage_path = storage_uri(args.storage_path)
     embedded = not args.address
 
     from app import cluster, launcher

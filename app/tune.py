@@ -16,12 +16,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+from app.cli import EXIT_INTERRUPTED, HelpFormatter, Parser, run_main, storage_uri
 from app.config import (
-    DATASETS, CheckpointConfig, DataConfig, FaultToleranceConfig, LoopConfig, OptimConfig,
-    RunConfig, TrainConfig, UserError, WorkersConfig,
+    DATASETS,
+    CheckpointConfig,
+    DataConfig,
+    FaultToleranceConfig,
+    LoopConfig,
+    OptimConfig,
+    RunConfig,
+    TrainConfig,
+    UserError,
+    WorkersConfig,
 )
 from app.console import Console
-from app.train import EXIT_INTERRUPTED, EXIT_USER_ERROR, _HelpFormatter, _Parser, _storage_uri
 
 TRAIN_RUNS = "train_runs"
 TABLE_FILE = "trials.txt"
@@ -81,14 +89,14 @@ def _parse_list(text: str, kind, flag: str) -> list:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = Parser(
         prog="python -m app.tune",
         description=(
             "Ray Tune sweep over learning rate, world size and batch size; every trial is a "
             "whole distributed training run. Ends with the trials ranked and a scaling report "
             "(throughput and time to a target accuracy against the number of workers)."
         ),
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     space = parser.add_argument_group("search space")
     space.add_argument(
@@ -266,7 +274,7 @@ def _run(args, console: Console) -> int:
         raise UserError(f"--target-accuracy must be in (0, 1], got {args.target_accuracy}")
     if (args.resume or args.show) and not args.name:
         raise UserError("--resume and --show need the --name of the sweep")
-    storage = _storage_uri(args.storage_path)
+    storage = storage_uri(args.storage_path)
     name = args.name or f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
     sweep_uri = f"{storage.rstrip('/')}/{name}"
     launcher.check_storage(storage)
@@ -341,17 +349,10 @@ def _run(args, console: Console) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    console = Console()
-    try:
-        return _run(args, console)
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        return EXIT_USER_ERROR
-    except KeyboardInterrupt:
-        print("interrupted: finished trials are kept; rerun with --resume to continue",
-              file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
+    return run_main(
+        build_parser(), _run, argv,
+        interrupted="finished trials are kept; rerun with --name NAME --resume to continue",
+    )
 
 
 if __name__ == "__main__":

@@ -29,7 +29,12 @@ from throughput import prepare  # noqa: E402
 from app import launcher  # noqa: E402
 from app.cluster import FAST_RECOVERY_SYSTEM_CONFIG  # noqa: E402
 from app.config import (  # noqa: E402
-    CheckpointConfig, DataConfig, FaultToleranceConfig, LoopConfig, RunConfig, TrainConfig,
+    CheckpointConfig,
+    DataConfig,
+    FaultToleranceConfig,
+    LoopConfig,
+    RunConfig,
+    TrainConfig,
     WorkersConfig,
 )
 from app.console import Console  # noqa: E402

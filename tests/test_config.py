@@ -1,8 +1,15 @@
 import pytest
 
 from app.config import (
-    CheckpointConfig, DataConfig, LoopConfig, OptimConfig, RunConfig, TrainConfig, UserError,
-    WorkersConfig, parse_worker_range,
+    CheckpointConfig,
+    DataConfig,
+    LoopConfig,
+    OptimConfig,
+    RunConfig,
+    TrainConfig,
+    UserError,
+    WorkersConfig,
+    parse_worker_range,
 )
 
 

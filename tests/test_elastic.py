@@ -21,8 +21,14 @@ from ray.cluster_utils import Cluster
 from app import launcher
 from app.cluster import FAST_RECOVERY_SYSTEM_CONFIG
 from app.config import (
-    CheckpointConfig, DataConfig, FaultToleranceConfig, LoopConfig, RunConfig, TrainConfig,
-    UserError, WorkersConfig,
+    CheckpointConfig,
+    DataConfig,
+    FaultToleranceConfig,
+    LoopConfig,
+    RunConfig,
+    TrainConfig,
+    UserError,
+    WorkersConfig,
 )
 from app.console import Console
 

@@ -93,7 +93,7 @@ def test_micro_batches_accumulate_to_the_same_step():
     )
     assert [len(m) for m in split._micro_batches(torch.arange(16))] == [5, 5, 5, 1]
     split.run_epoch()
-    for a, b in zip(whole.model.parameters(), split.model.parameters()):
+    for a, b in zip(whole.model.parameters(), split.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 

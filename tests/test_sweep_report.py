@@ -1,6 +1,13 @@
 import pytest
 
-from app.sweep_report import TrialRecord, ranked, scaling, scaling_png, scaling_table, trial_table
+from app.sweep_report import (
+    TrialRecord,
+    ranked,
+    scaling,
+    scaling_png,
+    scaling_table,
+    trial_table,
+)
 
 
 def _trial(trial_id, lr, world_size, accuracies, rate, seconds_per_epoch, planned=3):
