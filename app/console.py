@@ -12,8 +12,8 @@ _ROW = "{epoch:>7} {world:>8} {train_loss:>11} {val_loss:>9} {val_acc:>8} {throu
 class Console:
     """Prints a run's progress events; keeps them, with their arrival time, in ``events``."""
 
-    def __init__(self, stream: TextIO = sys.stdout):
-        self.stream = stream
+    def __init__(self, stream: TextIO | None = None):
+        self.stream = stream if stream is not None else sys.stdout
         self.events: list[dict[str, Any]] = []
         self._header_shown = False
 

@@ -164,19 +164,38 @@ def is_available(config: DataConfig) -> bool:
     return not missing_files(config.data_dir, config.dataset)
 
 
-def normalise(images: torch.Tensor, mean: float, std: float) -> torch.Tensor:
-    """uint8 N x H x W -> float32 N x 1 x H x W with the given pixel statistics."""
-    return ((images.float().div_(255.0) - mean) / std).unsqueeze(1).contiguous()
+def normalise(images: np.ndarray, mean: float, std: float) -> torch.Tensor:
+    """uint8 N x H x W -> float32 N x 1 x H x W with the given pixel statistics (0-1 scale)."""
+    pixels = torch.from_numpy(np.ascontiguousarray(images)).float().div_(255.0)
+    return ((pixels - mean) / std).unsqueeze(1).contiguous()
 
 
-def _load_idx_split(folder: Path, split: str, stats: tuple[float, float]) -> Split:
+@dataclass(frozen=True)
+class RawSplit:
+    """One split as stored: uint8 images N x 28 x 28 and uint8 labels."""
+
+    images: np.ndarray
+    labels: np.ndarray
+
+
+@dataclass(frozen=True)
+class RawDataset:
+    name: str
+    train: RawSplit
+    val: RawSplit
+    mean: float
+    """Pixel mean of the training images on the 0-1 scale (the reference value for MNIST)."""
+    std: float
+
+
+def _read_idx_split(folder: Path, split: str) -> RawSplit:
     images_stem, labels_stem = _idx_stems(split)
     images_path = _idx_path(folder, images_stem) or folder / images_stem
     labels_path = _idx_path(folder, labels_stem) or folder / labels_stem
     images = read_idx(images_path)
     labels = read_idx(labels_path)
-    if images.ndim != 3 or images.shape[1:] != (28, 28):
-        raise DataError(f"{images_path}: expected N x 28 x 28 images, found {images.shape}")
+    if images.ndim != 3 or images.shape[1:] != (28, 28) or images.dtype != np.uint8:
+        raise DataError(f"{images_path}: expected N x 28 x 28 uint8 images, found {images.shape}")
     if labels.ndim != 1 or labels.shape[0] != images.shape[0]:
         raise DataError(
             f"{labels_path}: {labels.shape[0] if labels.ndim else 0} labels for "
@@ -184,40 +203,39 @@ def _load_idx_split(folder: Path, split: str, stats: tuple[float, float]) -> Spl
         )
     if labels.size and labels.max() > 9:
         raise DataError(f"{labels_path}: labels must be 0-9, found {int(labels.max())}")
-    return Split(
-        images=normalise(torch.from_numpy(images.copy()), *stats),
-        labels=torch.from_numpy(labels.astype(np.int64)),
-    )
+    return RawSplit(images=images, labels=labels.astype(np.uint8))
 
 
-def _load_digits() -> Dataset:
+def _digits() -> RawDataset:
     """scikit-learn's 1,797 bundled 8x8 digits, resized to 28x28: real data with no download."""
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
-    images = torch.from_numpy(bunch.images.astype(np.float32) / 16.0).unsqueeze(1)
-    images = torch.nn.functional.interpolate(
-        images, size=(28, 28), mode="bilinear", align_corners=False
+    small = torch.from_numpy(bunch.images.astype(np.float32) / 16.0).unsqueeze(1)
+    resized = torch.nn.functional.interpolate(
+        small, size=(28, 28), mode="bilinear", align_corners=False
     )
-    labels = torch.from_numpy(bunch.target.astype(np.int64))
+    images = (resized.squeeze(1).clamp(0, 1) * 255).round().to(torch.uint8).numpy()
+    labels = bunch.target.astype(np.uint8)
     # A fixed permutation, independent of --seed, so validation is the same images in every run.
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0)).numpy()
     num_val = len(labels) // 5
     val_index, train_index = order[:num_val], order[num_val:]
-    mean = images[train_index].mean().item()
-    std = images[train_index].std().item()
-    images = (images - mean) / std
-    return Dataset(
+    train_pixels = images[train_index].astype(np.float64) / 255.0
+    return RawDataset(
         name="digits",
-        train=Split(images[train_index].contiguous(), labels[train_index]),
-        val=Split(images[val_index].contiguous(), labels[val_index]),
+        train=RawSplit(images[train_index], labels[train_index]),
+        val=RawSplit(images[val_index], labels[val_index]),
+        mean=float(train_pixels.mean()),
+        std=float(train_pixels.std()),
     )
 
 
-def load(config: DataConfig) -> Dataset:
-    """Load ``config.dataset`` into memory. Raises DataError naming the file at fault."""
+def load_raw(config: DataConfig) -> RawDataset:
+    """The data set as stored (uint8), downloading it first if allowed and needed. Raises
+    DataError naming the file at fault."""
     if config.dataset == "digits":
-        return _load_digits()
+        return _digits()
     missing = missing_files(config.data_dir, config.dataset)
     if missing and config.download:
         download(config.data_dir, config.dataset)
@@ -225,9 +243,24 @@ def load(config: DataConfig) -> Dataset:
     if missing:
         raise DataError(f"{missing[0]}: file not found (nor {missing[0].name}.gz)")
     folder = raw_folder(config.data_dir, config.dataset)
-    stats = _TORCHVISION[config.dataset][1]
-    return Dataset(
+    mean, std = _TORCHVISION[config.dataset][1]
+    return RawDataset(
         name=config.dataset,
-        train=_load_idx_split(folder, "train", stats),
-        val=_load_idx_split(folder, "val", stats),
+        train=_read_idx_split(folder, "train"),
+        val=_read_idx_split(folder, "val"),
+        mean=mean,
+        std=std,
     )
+
+
+def load(config: DataConfig) -> Dataset:
+    """Load ``config.dataset`` into memory, normalised once, ready for the model."""
+    raw = load_raw(config)
+
+    def ready(split: RawSplit) -> Split:
+        return Split(
+            images=normalise(split.images, raw.mean, raw.std),
+            labels=torch.from_numpy(split.labels.astype(np.int64)),
+        )
+
+    return Dataset(name=raw.name, train=ready(raw.train), val=ready(raw.val))

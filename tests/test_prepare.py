@@ -1,0 +1,62 @@
+"""python -m app.prepare: real MNIST images into sharded Parquet with a manifest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from app import data, prepare
+from app.config import DataConfig, UserError
+
+
+def test_prepare_round_trips_every_image_with_checksums(small_mnist_dir, tmp_path, capsys):
+    output = tmp_path / "parquet"
+    assert prepare.main(["--data-dir", str(small_mnist_dir), "--output", str(output),
+                         "--train-files", "3"]) == 0
+    assert "2,000 train / 500 validation images in 3 + 2 Parquet files" in capsys.readouterr().out
+    manifest = json.loads((output / "manifest.json").read_text())
+    assert manifest["dataset"] == "mnist" and manifest["mean"] == pytest.approx(0.1307)
+    raw = data.load_raw(DataConfig(dataset="mnist", data_dir=str(small_mnist_dir)))
+    for split_name, split in (("train", raw.train), ("val", raw.val)):
+        entry = manifest["splits"][split_name]
+        assert entry["rows"] == len(split.labels)
+        assert sum(f["rows"] for f in entry["files"]) == entry["rows"]
+        for file in entry["files"]:
+            path = output / file["path"]
+            assert hashlib.sha256(path.read_bytes()).hexdigest() == file["sha256"]
+        table = pq.read_table(output / split_name)
+        ids = table["id"].to_numpy()
+        order = np.argsort(ids)
+        assert (ids[order] == np.arange(len(split.labels))).all(), "each image once, by id"
+        images = np.frombuffer(b"".join(table["image"].to_pylist()), dtype=np.uint8)
+        images = images.reshape(-1, 28, 28)[order]
+        np.testing.assert_array_equal(images, split.images)
+        np.testing.assert_array_equal(table["label"].to_numpy()[order], split.labels)
+
+
+def test_same_data_is_a_no_op_and_a_different_data_set_is_refused(small_mnist_dir, tmp_path):
+    output = str(tmp_path / "parquet")
+    raw = data.load_raw(DataConfig(dataset="mnist", data_dir=str(small_mnist_dir)))
+    first, written = prepare.prepare(raw, output, {"train": 2, "val": 1})
+    assert written
+    again, written = prepare.prepare(raw, output, {"train": 2, "val": 1})
+    assert not written and again == first
+    digits = data.load_raw(DataConfig(dataset="digits"))
+    with pytest.raises(UserError, match="already holds a different data set"):
+        prepare.prepare(digits, output, {"train": 2, "val": 1})
+    assert json.loads((tmp_path / "parquet" / "manifest.json").read_text()) == first
+
+
+def test_bad_output_is_one_line_exit_2(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    assert prepare.main(["--dataset", "digits", "--output", str(blocker / "out")]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: cannot write to") and error.count("\n") == 1
+    assert not (blocker.parent / "out").exists()
+    assert prepare.main(["--dataset", "digits", "--output", str(tmp_path / "x"),
+                         "--train-files", "0"]) == 2
