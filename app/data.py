@@ -166,7 +166,8 @@ def is_available(config: DataConfig) -> bool:
 
 def normalise(images: np.ndarray, mean: float, std: float) -> torch.Tensor:
     """uint8 N x H x W -> float32 N x 1 x H x W with the given pixel statistics (0-1 scale)."""
-    pixels = torch.from_numpy(np.ascontiguousarray(images)).float().div_(255.0)
+    # astype copies: the parsed arrays are read-only views of the file bytes.
+    pixels = torch.from_numpy(images.astype(np.float32)).div_(255.0)
     return ((pixels - mean) / std).unsqueeze(1).contiguous()
 
 
