@@ -60,7 +60,7 @@ def _alive_nodes() -> dict[str, dict[str, float]]:
     return {node["NodeID"]: node["Resources"] for node in ray.nodes() if node.get("Alive")}
 
 
-def _node_resources() -> list[dict[str, float]]:
+def live_node_resources() -> list[dict[str, float]]:
     return list(_alive_nodes().values())
 
 
@@ -114,7 +114,7 @@ def check_capacity(
     cluster's live nodes, polled for up to ``wait_s`` while an autoscaler may add some)."""
     deadline = time.monotonic() + wait_s
     while True:
-        current = nodes if nodes is not None else _node_resources()
+        current = nodes if nodes is not None else live_node_resources()
         if workers_that_fit(current, workers) >= workers.min_workers:
             return
         if nodes is not None or time.monotonic() >= deadline:

@@ -191,8 +191,8 @@ def _default_concurrency(args) -> int:
         use_gpu=args.use_gpu, cpus_per_worker=args.cpus_per_worker,
     )
     cluster.check_capacity(largest)  # a world size the cluster can never host: refused now
-    nodes = [n["Resources"] for n in __import__("ray").nodes() if n.get("Alive")]
-    return max(1, cluster.workers_that_fit(nodes, largest) // max(args.world_sizes))
+    fits = cluster.workers_that_fit(cluster.live_node_resources(), largest)
+    return max(1, fits // max(args.world_sizes))
 
 
 def _trainable():
