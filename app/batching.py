@@ -1,12 +1,47 @@
-"""Which samples each rank trains on: global batches, split across however many ranks there are."""
+"""Which samples each rank trains on: global batches, split across however many ranks there are.
+
+``TrainData`` is what the training loop iterates; ``InMemoryData`` serves it from tensors held by
+every worker (the Parquet path, ``app.parquet``, serves it from a Ray Data shard).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch.utils.data.distributed import DistributedSampler
+
+from app.data import Split
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    images: torch.Tensor
+    """This rank's share of a global batch: normalised float images N x 1 x H x W."""
+    labels: torch.Tensor
+    """int64 class labels, N."""
+    global_size: int
+    """Samples in the whole global batch, over all ranks: the loss is averaged over these."""
+
+
+class TrainData(Protocol):
+    """One rank's view of a data set, re-created whenever the worker group (re)starts."""
+
+    num_train: int
+    """Training samples in the whole data set (all ranks)."""
+    num_val: int
+
+    def train_batches(self, epoch: int, start_step: int) -> Iterator[TrainBatch]:
+        """This rank's batches of ``epoch``, skipping its first ``start_step`` (a resume).
+        Every rank yields the same number of batches: DDP waits on each step."""
+        ...
+
+    def val_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's part of the validation split, as (images, labels); the parts of all
+        ranks together cover the split."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -83,3 +118,37 @@ class GlobalBatchSampler(DistributedSampler):
             offset = start + self.rank * base + min(self.rank, extra)
             length = base + (1 if self.rank < extra else 0)
             yield Batch(indices=order[offset : offset + length], global_size=size)
+
+
+class InMemoryData:
+    """Both splits as tensors in this worker's memory; batches are index lookups."""
+
+    def __init__(self, train: Split, val: Split, global_batch_size: int, world_size: int,
+                 rank: int, seed: int):
+        self.train = train
+        self.val = val
+        self.num_train = len(train)
+        self.num_val = len(val)
+        self.rank = rank
+        self.world_size = world_size
+        self.sampler = GlobalBatchSampler(
+            num_samples=len(train), global_batch_size=global_batch_size,
+            num_replicas=world_size, rank=rank, seed=seed,
+        )
+
+    def train_batches(self, epoch: int, start_step: int) -> Iterator[TrainBatch]:
+        self.sampler.set_epoch(epoch)
+        self.sampler.set_start_step(start_step)
+        for batch in self.sampler:
+            yield TrainBatch(
+                self.train.images[batch.indices], self.train.labels[batch.indices],
+                batch.global_size,
+            )
+
+    def val_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        # A contiguous part per rank; sizes differ by at most one sample.
+        start = self.num_val * self.rank // self.world_size
+        end = self.num_val * (self.rank + 1) // self.world_size
+        for offset in range(start, end, batch_size):
+            stop = min(offset + batch_size, end)
+            yield self.val.images[offset:stop], self.val.labels[offset:stop]

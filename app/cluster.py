@@ -169,3 +169,20 @@ class ClusterWatch:
                 f"{describe(nodes)}; the latest checkpoint is kept, rerun with the same --name "
                 "once nodes are back (or lower the minimum of --num-workers)"
             )
+
+
+def check_data_cpus(workers: WorkersConfig) -> None:
+    """Ray Data's readers need a CPU that the training workers do not hold.
+
+    Ray Train reserves the workers' CPUs first; without one left over, the first read task
+    waits forever (ray-project/ray#44687).
+    """
+    total = sum(node.get("CPU", 0) for node in live_node_resources())
+    needed = workers.min_workers * workers.cpus_per_worker + 1
+    if total < needed:
+        raise UserError(
+            f"streaming from Parquet needs a CPU for Ray Data beside the {workers.min_workers} "
+            f"worker(s) x {workers.cpus_per_worker} CPU, and the cluster has {total:g} CPUs: "
+            "drop --stream-data (the data is then read once into the object store), use fewer "
+            "workers, or add a node"
+        )

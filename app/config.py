@@ -28,6 +28,12 @@ class DataConfig:
     """Folder holding the data set in torchvision's layout (``<data_dir>/MNIST/raw/...``)."""
     download: bool = True
     """Download with torchvision when the files are not in ``data_dir``."""
+    parquet: str = ""
+    """Folder or s3:// URI of a data set written by ``app.prepare``: when set, workers read it
+    with Ray Data instead of loading ``dataset`` from ``data_dir`` (the name is the manifest's)."""
+    stream: bool = False
+    """Parquet only: re-read the files every epoch instead of caching them in Ray's object store
+    (for data larger than the cluster's object store and spill disk)."""
 
     def __post_init__(self):
         if self.dataset not in DATASETS:

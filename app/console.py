@@ -41,7 +41,9 @@ class Console:
             )
         else:
             self.line(
-                f"Training ConvNet on {event['dataset']}: {event['num_train']:,} train / "
+                f"Training ConvNet on {event['dataset']}"
+                f"{' (Parquet, Ray Data)' if event.get('source') == 'parquet' else ''}: "
+                f"{event['num_train']:,} train / "
                 f"{event['num_val']:,} validation images, {event['epochs']} epochs, "
                 f"{event['world_size']} {device} worker(s), "
                 f"{event['batch_per_worker']} samples per worker per step, {event['precision']}."

@@ -12,12 +12,13 @@ from typing import Any
 
 import pyarrow.fs
 import ray
+import ray.data
 import ray.train
 from ray.train.torch import TorchTrainer
 from ray.util.queue import Queue
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from app import checkpoint, results
+from app import checkpoint, cluster, parquet, results
 from app.cluster import ClusterWatch
 from app.config import (
     FaultToleranceConfig,
@@ -27,7 +28,8 @@ from app.config import (
     WorkersConfig,
 )
 from app.console import Console
-from app.worker import PROGRESS_KEY, train_loop_per_worker
+from app.parquet import Manifest
+from app.worker import PARQUET_KEY, PROGRESS_KEY, train_loop_per_worker
 
 
 class RunFailed(RuntimeError):
@@ -158,6 +160,7 @@ def make_trainer(
     verbose: bool,
     callbacks: Sequence[ray.train.UserCallback] = (),
     extra_worker_config: dict[str, Any] | None = None,
+    datasets: dict[str, ray.data.Dataset] | None = None,
 ) -> TorchTrainer:
     num_workers = (
         (workers.min_workers, workers.max_workers) if workers.is_elastic else workers.min_workers
@@ -165,6 +168,8 @@ def make_trainer(
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={**train_config.to_dict(), **(extra_worker_config or {})},
+        # Ray Train splits each data set into equal shards, again at every (re)start.
+        datasets=datasets,
         scaling_config=ray.train.ScalingConfig(
             num_workers=num_workers,
             use_gpu=workers.use_gpu,
@@ -185,6 +190,27 @@ def make_trainer(
             callbacks=list(callbacks),
         ),
     )
+
+
+def data_inputs(
+    train_config: TrainConfig, workers: WorkersConfig, manifest: Manifest | None,
+    console: Console, verbose: bool,
+) -> tuple[dict[str, ray.data.Dataset] | None, dict[str, Any]]:
+    """The Ray Data sets and worker-config entries for a Parquet data set; none otherwise."""
+    if not train_config.data.parquet:
+        return None, {}
+    assert manifest is not None, "a Parquet run needs its checked manifest"
+    if train_config.data.stream:
+        cluster.check_data_cpus(workers)
+        console.line(f"Streaming {manifest.uri} with Ray Data (re-read every epoch).")
+    else:
+        console.line(
+            f"Reading {manifest.uri} into Ray's object store ({manifest.total_bytes / 2**20:.1f} "
+            "MiB of Parquet) with Ray Data..."
+        )
+    return parquet.ray_datasets(manifest, train_config.data, verbose), {
+        PARQUET_KEY: manifest.to_dict()
+    }
 
 
 def _summarise(result: ray.train.Result) -> RunSummary:
@@ -220,9 +246,11 @@ def launch(
     fault_tolerance: FaultToleranceConfig | None = None,
     verbose: bool = False,
     callbacks: Sequence[ray.train.UserCallback] = (),
+    manifest: Manifest | None = None,
 ) -> RunSummary:
     """Train on the connected Ray cluster; returns where the results are.
 
+    ``manifest``: the checked Parquet data set when ``train_config.data.parquet`` is set.
     Raises UserError for mistakes in the input (also when a worker hits one) and RunFailed when
     training fails after its retries.
     """
@@ -236,10 +264,12 @@ def launch(
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
     if run_exists(run):
         console.line(f"Run {run.name!r} exists in {run.storage_path}: resuming it.")
+    datasets, extras = data_inputs(train_config, workers, manifest, console, verbose)
     with _ProgressPump(console) as pump:
         trainer = make_trainer(
             train_config, workers, run, fault_tolerance=fault_tolerance, verbose=verbose,
-            callbacks=callbacks, extra_worker_config={PROGRESS_KEY: pump.queue},
+            callbacks=callbacks, extra_worker_config={PROGRESS_KEY: pump.queue, **extras},
+            datasets=datasets,
         )
         watch = ClusterWatch(workers, fault_tolerance.placement_timeout_s)
         try:

@@ -18,10 +18,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from app.batching import GlobalBatchSampler
+from app.batching import TrainBatch, TrainData
 from app.checkpoint import TrainingState
 from app.config import TrainConfig
-from app.data import Split
 
 
 @dataclass(frozen=True)
@@ -74,14 +73,13 @@ def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
 
 
 class Trainer:
-    """Trains ``model`` (already wrapped by DDP when world_size > 1) on ``train``."""
+    """Trains ``model`` (already wrapped by DDP when world_size > 1) on ``data``."""
 
     def __init__(
         self,
         config: TrainConfig,
         model: nn.Module,
-        train: Split,
-        val: Split,
+        data: TrainData,
         device: torch.device,
         rank: int,
         world_size: int,
@@ -89,8 +87,7 @@ class Trainer:
     ):
         self.config = config
         self.model = model
-        self.train_split = train
-        self.val_split = val
+        self.data = data
         self.device = device
         self.rank = rank
         self.world_size = world_size
@@ -98,13 +95,6 @@ class Trainer:
         self.optimizer = torch.optim.Adadelta(model.parameters(), lr=config.optim.lr)
         self.scheduler = torch.optim.lr_scheduler.StepLR(
             self.optimizer, step_size=1, gamma=config.optim.lr_decay
-        )
-        self.sampler = GlobalBatchSampler(
-            num_samples=len(train),
-            global_batch_size=config.loop.global_batch_size,
-            num_replicas=world_size,
-            rank=rank,
-            seed=config.loop.seed,
         )
         self.state = state or TrainingState(
             global_batch_size=config.loop.global_batch_size, config=config.to_dict()
@@ -132,20 +122,20 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _micro_batches(self, indices: torch.Tensor) -> list[torch.Tensor]:
+    def _micro_batches(self, batch: TrainBatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
         limit = self.config.loop.max_batch_per_worker
-        if limit == 0 or len(indices) <= limit:
-            return [indices]
-        return list(torch.split(indices, limit))
+        if limit == 0 or len(batch.labels) <= limit:
+            return [(batch.images, batch.labels)]
+        return list(zip(torch.split(batch.images, limit), torch.split(batch.labels, limit)))
 
-    def _run_batch(self, indices: torch.Tensor, global_size: int) -> torch.Tensor:
+    def _run_batch(self, batch: TrainBatch) -> torch.Tensor:
         """One optimiser step on this rank's share of a global batch; returns its loss sum."""
         self.optimizer.zero_grad(set_to_none=True)
-        micro_batches = self._micro_batches(indices)
+        micro_batches = self._micro_batches(batch)
         loss_sum = torch.zeros((), device=self.device)
-        for position, micro in enumerate(micro_batches):
-            images = self.train_split.images[micro].to(self.device, non_blocking=True)
-            labels = self.train_split.labels[micro].to(self.device, non_blocking=True)
+        for position, (images, labels) in enumerate(micro_batches):
+            images = images.to(self.device, non_blocking=True)
+            labels = labels.to(self.device, non_blocking=True)
             is_last = position == len(micro_batches) - 1
             # Gradients of all but the last micro-batch accumulate locally; DDP all-reduces once.
             sync = contextlib.nullcontext() if is_last or not hasattr(self.model, "no_sync") \
@@ -156,7 +146,7 @@ class Trainer:
                 micro_loss = F.nll_loss(output.float(), labels, reduction="sum")
                 # Summed per rank and scaled so DDP's mean over ranks is the mean over the whole
                 # global batch, however it was split: world-size-invariant gradients.
-                (micro_loss * (self.world_size / global_size)).backward()
+                (micro_loss * (self.world_size / batch.global_size)).backward()
             loss_sum += micro_loss.detach()
         self.optimizer.step()
         return loss_sum
@@ -165,8 +155,6 @@ class Trainer:
         """Train the rest of the current epoch; ``after_step`` runs after every step (on every
         rank, so it may checkpoint) and its time is not counted as training time."""
         epoch = self.state.epoch
-        self.sampler.set_epoch(epoch)
-        self.sampler.set_start_step(self.state.epoch_step)
         self._seed_dropout(epoch)
         self.model.train()
         # A resumed epoch carries on from the checkpoint's sums; rank 0 holds the global part.
@@ -174,9 +162,9 @@ class Trainer:
         self._loss_total = torch.tensor(resumed_loss, dtype=torch.float64, device=self.device)
         self._seconds = self.state.epoch_seconds
         started = time.perf_counter()
-        for batch in self.sampler:
+        for batch in self.data.train_batches(epoch, self.state.epoch_step):
             # Accumulated on the device: .item() per step would force a GPU sync.
-            self._loss_total += self._run_batch(batch.indices, batch.global_size)
+            self._loss_total += self._run_batch(batch)
             self.state.step += 1
             self.state.epoch_step += 1
             self.state.epoch_samples += batch.global_size
@@ -201,24 +189,22 @@ class Trainer:
 
     @torch.inference_mode()
     def evaluate(self) -> Evaluation:
-        """Loss and accuracy over the whole validation split, each rank scoring a contiguous part."""
+        """Loss and accuracy over the validation split, each rank scoring its part."""
         model = unwrap(self.model)
         model.eval()
-        size = len(self.val_split)
-        start = size * self.rank // self.world_size
-        end = size * (self.rank + 1) // self.world_size
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         correct = torch.zeros((), dtype=torch.int64, device=self.device)
-        for offset in range(start, end, self.config.loop.eval_batch_size):
-            stop = min(offset + self.config.loop.eval_batch_size, end)
-            images = self.val_split.images[offset:stop].to(self.device, non_blocking=True)
-            labels = self.val_split.labels[offset:stop].to(self.device, non_blocking=True)
+        count = 0
+        for images, labels in self.data.val_batches(self.config.loop.eval_batch_size):
+            images = images.to(self.device, non_blocking=True)
+            labels = labels.to(self.device, non_blocking=True)
             with self._autocast():
                 output = model(images).float()
             loss_sum += F.nll_loss(output, labels, reduction="sum")
             correct += (output.argmax(dim=1) == labels).sum()
+            count += len(labels)
         total_loss, total_correct, total = _all_reduce_sum(
-            [loss_sum.item(), float(correct.item()), float(end - start)], self.device
+            [loss_sum.item(), float(correct.item()), float(count)], self.device
         )
         return Evaluation(
             loss=total_loss / max(total, 1), accuracy=total_correct / max(total, 1),

@@ -27,6 +27,12 @@ from app.console import Console
 FORMAT = "app-digits-parquet/1"
 MANIFEST = "manifest.json"
 _IMAGE_BYTES = 28 * 28
+SCHEMA = pa.schema([
+    ("id", pa.int64()),
+    ("image", pa.binary(_IMAGE_BYTES)),
+    ("label", pa.uint8()),
+])
+"""The columns of every part file; readers check it before training."""
 
 
 def _source_digest(raw) -> str:
@@ -46,7 +52,7 @@ def _table(images: np.ndarray, labels: np.ndarray, first_id: int) -> pa.Table:
         "id": pa.array(np.arange(first_id, first_id + len(flat), dtype=np.int64)),
         "image": image_column,
         "label": pa.array(labels.astype(np.uint8)),
-    })
+    }, schema=SCHEMA)
 
 
 def _sha256(filesystem: pyarrow.fs.FileSystem, path: str) -> str:

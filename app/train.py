@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from app.cli import HelpFormatter, Parser, run_main, storage_uri
 from app.config import (
@@ -26,6 +27,9 @@ from app.config import (
     parse_worker_range,
 )
 from app.console import Console
+
+if TYPE_CHECKING:
+    from app.parquet import Manifest
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,6 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="folder with the data set in torchvision's layout (<dir>/MNIST/raw/...); "
         "downloads go here",
     )
+    data.add_argument(
+        "--parquet", default=None, metavar="PATH|s3://...",
+        help="train on a Parquet data set written by 'python -m app.prepare' (a folder or an "
+        "s3:// prefix), read with Ray Data and split across the workers, instead of --dataset",
+    )
+    data.add_argument(
+        "--stream-data", action="store_true",
+        help="with --parquet: re-read the files every epoch instead of reading them once into "
+        "Ray's object store (for data larger than the cluster's object store and spill disk; "
+        "needs a CPU beside the workers)",
+    )
     output = parser.add_argument_group("run and cluster")
     output.add_argument(
         "--storage-path", default="runs",
@@ -129,10 +144,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _resolve_data(args: argparse.Namespace, console: Console, embedded: bool) -> DataConfig:
+def _resolve_data(
+    args: argparse.Namespace, console: Console, embedded: bool
+) -> tuple[DataConfig, Manifest | None]:
     """The data set to train on; falls back to the bundled digits only if none was asked for."""
     from app import data
 
+    if args.parquet is not None:
+        from app import parquet
+
+        if args.dataset is not None:
+            raise UserError("--dataset and --parquet both name a data set: give one of them")
+        manifest = parquet.open_manifest(storage_uri(args.parquet))
+        config = DataConfig(dataset=manifest.dataset, parquet=manifest.uri,
+                            stream=args.stream_data)
+        return config, manifest
+    if args.stream_data:
+        raise UserError("--stream-data applies to --parquet data sets only")
     if args.dataset is not None:
         config = DataConfig(dataset=args.dataset, data_dir=args.data_dir)
     else:
@@ -146,7 +174,7 @@ def _resolve_data(args: argparse.Namespace, console: Console, embedded: bool) ->
     if embedded:
         # Workers read the same folder: a missing or corrupt file is reported now, by name.
         data.load(config)
-    return config
+    return config, None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,7 +220,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     if embedded:
         cluster.check_capacity(workers, nodes=cluster.local_resources())
     launcher.check_storage(storage_path)
-    data = _resolve_data(args, console, embedded)
+    data, manifest = _resolve_data(args, console, embedded)
     run = RunConfig(
         name=args.name or f"{data.dataset}-{time.strftime('%Y%m%d-%H%M%S')}",
         storage_path=storage_path,
@@ -209,7 +237,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         )
         summary = launcher.launch(
             config, workers, run, console=console, fault_tolerance=fault_tolerance,
-            verbose=args.verbose,
+            verbose=args.verbose, manifest=manifest,
         )
     except launcher.RunFailed as error:
         if args.verbose:

@@ -16,12 +16,15 @@ import ray.train.torch
 import torch
 
 from app import checkpoint, data
+from app.batching import InMemoryData, TrainData
 from app.config import TrainConfig
 from app.loop import Trainer, parameter_checksum
 from app.model import ConvNet
 
 PROGRESS_KEY = "progress_queue"
 """Optional key of the worker config: a ray.util.queue.Queue that rank 0 sends progress to."""
+PARQUET_KEY = "parquet"
+"""Key of the worker config holding the Parquet manifest's statistics (``Manifest.to_dict``)."""
 
 
 def _send(progress, event: dict[str, Any]) -> None:
@@ -46,6 +49,23 @@ def _restore() -> checkpoint.TrainingState | None:
         return checkpoint.load(directory)
 
 
+def _train_data(config: TrainConfig, worker_config: dict[str, Any], rank: int,
+                world_size: int) -> tuple[str, TrainData]:
+    if config.data.parquet:
+        from app.parquet import ShardData
+
+        stats = worker_config[PARQUET_KEY]
+        return stats["dataset"], ShardData(
+            ray.train.get_dataset_shard("train"), ray.train.get_dataset_shard("val"), stats,
+            config.loop.global_batch_size, world_size, rank, config.loop.seed,
+        )
+    dataset = data.load(config.data)
+    return dataset.name, InMemoryData(
+        dataset.train, dataset.val, config.loop.global_batch_size, world_size, rank,
+        config.loop.seed,
+    )
+
+
 def train_loop_per_worker(worker_config: dict[str, Any]) -> None:
     config = TrainConfig.from_dict(worker_config)
     progress = worker_config.get(PROGRESS_KEY)
@@ -54,12 +74,12 @@ def train_loop_per_worker(worker_config: dict[str, Any]) -> None:
     # More threads than owned CPUs makes workers on one machine fight over cores.
     torch.set_num_threads(_owned_cpus())
 
-    dataset = data.load(config.data)
+    dataset_name, train_data = _train_data(config, worker_config, rank, world_size)
     state = _restore()
     torch.manual_seed(config.loop.seed)  # identical initial weights on every rank
-    model = ray.train.torch.prepare_model(ConvNet(dataset.num_classes))
+    model = ray.train.torch.prepare_model(ConvNet())
     device = ray.train.torch.get_device()
-    trainer = Trainer(config, model, dataset.train, dataset.val, device, rank, world_size, state)
+    trainer = Trainer(config, model, train_data, device, rank, world_size, state)
 
     reporter = _Reporter(trainer, rank, world_size, progress)
     if rank == 0:
@@ -70,9 +90,10 @@ def train_loop_per_worker(worker_config: dict[str, Any]) -> None:
                 "world_size": world_size,
                 "device": device.type,
                 "precision": trainer.precision,
-                "dataset": dataset.name,
-                "num_train": len(dataset.train),
-                "num_val": len(dataset.val),
+                "dataset": dataset_name,
+                "source": "parquet" if config.data.parquet else "memory",
+                "num_train": train_data.num_train,
+                "num_val": train_data.num_val,
                 "batch_per_worker": config.loop.global_batch_size // world_size,
                 "resumed_at_epoch": trainer.epochs_done if state is not None else None,
                 "resumed_at_epoch_step": trainer.state.epoch_step if state is not None else 0,

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from app import checkpoint
+from app.batching import InMemoryData, TrainBatch
 from app.config import LoopConfig, TrainConfig
 from app.data import Split
 from app.loop import Trainer, parameter_checksum
@@ -26,7 +27,8 @@ def _trainer(state=None, precision="fp32"):
         loop=LoopConfig(epochs=3, global_batch_size=16, eval_batch_size=7, precision=precision)
     )
     train, val = _splits()
-    return Trainer(config, ConvNet(), train, val, torch.device("cpu"), 0, 1, state)
+    data = InMemoryData(train, val, config.loop.global_batch_size, world_size=1, rank=0, seed=0)
+    return Trainer(config, ConvNet(), data, torch.device("cpu"), 0, 1, state)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -91,7 +93,8 @@ def test_micro_batches_accumulate_to_the_same_step():
     split.config = TrainConfig(
         loop=LoopConfig(epochs=3, global_batch_size=16, max_batch_per_worker=5, precision="fp32")
     )
-    assert [len(m) for m in split._micro_batches(torch.arange(16))] == [5, 5, 5, 1]
+    batch = TrainBatch(torch.zeros(16, 1, 28, 28), torch.arange(16), 16)
+    assert [len(labels) for _, labels in split._micro_batches(batch)] == [5, 5, 5, 1]
     split.run_epoch()
     for a, b in zip(whole.model.parameters(), split.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

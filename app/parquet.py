@@ -1,0 +1,246 @@
+"""Training from a Parquet data set written by ``app.prepare``, through Ray Data.
+
+On the driver: ``open_manifest`` checks the data set (manifest, files, schema) before any worker
+starts, and ``ray_datasets`` builds the Ray Data sets handed to ``TorchTrainer(datasets=...)``,
+which splits them across the workers at every (re)start. In each worker: ``ShardData`` turns the
+worker's shard into the training loop's batches with ``iter_torch_batches``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs
+import pyarrow.parquet as pq
+import torch
+
+from app.batching import TrainBatch
+from app.config import DataConfig, UserError
+from app.prepare import FORMAT, MANIFEST, SCHEMA
+
+SHUFFLE_BUFFER_ROWS = 2_000
+"""Rows each worker shuffles locally on top of the per-epoch file/block order."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    uri: str
+    dataset: str
+    mean: float
+    std: float
+    image_shape: tuple[int, int]
+    num_train: int
+    num_val: int
+    train_files: tuple[str, ...]
+    val_files: tuple[str, ...]
+    total_bytes: int
+
+    def to_dict(self) -> dict:
+        """The primitives the workers need (they do not re-read the manifest)."""
+        return {"dataset": self.dataset, "mean": self.mean, "std": self.std,
+                "num_train": self.num_train, "num_val": self.num_val}
+
+
+def _storage_error(uri: str, error: BaseException) -> UserError:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if "NO_SUCH_BUCKET" in text or "NoSuchBucket" in text:
+        hint = "the bucket does not exist"
+    elif "ACCESS_DENIED" in text or "AccessDenied" in text or "403" in text:
+        hint = "access denied: check the AWS credentials in the environment"
+    elif "NETWORK_CONNECTION" in text or "connect" in text.lower():
+        hint = "the storage endpoint is unreachable (check AWS_ENDPOINT_URL and the network)"
+    else:
+        hint = text
+    return UserError(f"cannot read {uri}: {hint}")
+
+
+def _filesystem(uri: str) -> tuple[pyarrow.fs.FileSystem, str]:
+    try:
+        filesystem, root = pyarrow.fs.FileSystem.from_uri(uri)
+    except (pa.ArrowInvalid, OSError) as error:
+        raise UserError(f"cannot use {uri} as a data location: {error}") from None
+    return filesystem, root.rstrip("/")
+
+
+def _uri(uri: str, relative: str) -> str:
+    return f"{uri.rstrip('/')}/{relative}"
+
+
+def open_manifest(uri: str) -> Manifest:
+    """The data set at ``uri``, checked: one line naming the problem otherwise."""
+    filesystem, root = _filesystem(uri)
+    manifest_path = f"{root}/{MANIFEST}"
+    try:
+        info = filesystem.get_file_info(manifest_path)
+        if info.type != pyarrow.fs.FileType.File:
+            listing = filesystem.get_file_info(pyarrow.fs.FileSelector(root, recursive=True,
+                                                                       allow_not_found=True))
+            if any(entry.path.endswith(".parquet") for entry in listing):
+                raise UserError(
+                    f"{uri} has Parquet files but no {MANIFEST}: it was not written by "
+                    f"app.prepare, or that run did not finish; rerun "
+                    f"'python -m app.prepare --output {uri}'"
+                )
+            raise UserError(
+                f"no Parquet data set at {uri}: write one with "
+                f"'python -m app.prepare --output {uri}'"
+            )
+        with filesystem.open_input_stream(manifest_path) as stream:
+            values = json.loads(stream.read())
+    except OSError as error:
+        raise _storage_error(uri, error) from None
+    except ValueError as error:
+        raise UserError(f"{_uri(uri, MANIFEST)} is not valid JSON: {error}") from None
+    if not isinstance(values, dict) or values.get("format") != FORMAT:
+        found = values.get("format") if isinstance(values, dict) else None
+        raise UserError(
+            f"{_uri(uri, MANIFEST)} is not an app.prepare manifest (format {found!r}, "
+            f"expected {FORMAT!r})"
+        )
+    try:
+        splits = {name: values["splits"][name] for name in ("train", "val")}
+        files = {name: [entry["path"] for entry in split["files"]]
+                 for name, split in splits.items()}
+        manifest = Manifest(
+            uri=uri, dataset=values["dataset"], mean=float(values["mean"]),
+            std=float(values["std"]), image_shape=tuple(values["image_shape"]),
+            num_train=int(splits["train"]["rows"]), num_val=int(splits["val"]["rows"]),
+            train_files=tuple(_uri(uri, path) for path in files["train"]),
+            val_files=tuple(_uri(uri, path) for path in files["val"]),
+            total_bytes=0,
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        raise UserError(f"{_uri(uri, MANIFEST)} is incomplete ({error!r} missing or invalid)") \
+            from None
+    return _check_files(manifest, filesystem, root, files)
+
+
+def _check_files(manifest: Manifest, filesystem, root: str, files: dict[str, list[str]]):
+    """Every listed file is there, and the first training file has our schema."""
+    paths = [f"{root}/{path}" for split in files.values() for path in split]
+    try:
+        infos = filesystem.get_file_info(paths)
+        missing = [info.path for info in infos if info.type != pyarrow.fs.FileType.File]
+        if missing:
+            raise UserError(
+                f"{manifest.uri} is incomplete: {len(missing)} file(s) its manifest lists are "
+                f"missing, e.g. {missing[0]}; rerun app.prepare into an empty location"
+            )
+        with filesystem.open_input_file(paths[0]) as handle:
+            schema = pq.read_schema(handle)
+    except OSError as error:
+        raise _storage_error(manifest.uri, error) from None
+    except pa.ArrowInvalid as error:
+        raise UserError(f"{paths[0]} is not a readable Parquet file: {error}") from None
+    if not schema.remove_metadata().equals(SCHEMA):
+        raise UserError(
+            f"{paths[0]} has columns ({', '.join(f'{f.name}: {f.type}' for f in schema)}); "
+            f"expected ({', '.join(f'{f.name}: {f.type}' for f in SCHEMA)}) as app.prepare "
+            "writes them"
+        )
+    return Manifest(**{**manifest.__dict__, "total_bytes": sum(info.size for info in infos)})
+
+
+def ray_datasets(manifest: Manifest, config: DataConfig, verbose: bool) -> dict:
+    """The splits as Ray Data sets: read once into Ray's object store (it spills to disk when
+    full), or, with ``config.stream``, re-read from storage every epoch in a new file order."""
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    # One line per epoch from the console; Ray Data's bars and logs only with --verbose.
+    context.enable_progress_bars = verbose
+    context.print_on_execution_start = verbose
+    if not verbose:
+        logging.getLogger("ray.data").setLevel(logging.ERROR)
+    datasets = {}
+    for name, files in (("train", manifest.train_files), ("val", manifest.val_files)):
+        shuffle = ray.data.FileShuffleConfig(seed=None) if config.stream and name == "train" \
+            else None
+        dataset = ray.data.read_parquet(list(files), shuffle=shuffle, file_extensions=None)
+        if not config.stream:
+            # Blocks of about a file each, so the order can change every epoch below.
+            dataset = dataset.repartition(len(files)).materialize()
+            if name == "train":
+                dataset = dataset.randomize_block_order()
+        datasets[name] = dataset
+    return datasets
+
+
+def _to_tensors(table: pa.Table) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(uint8 images N x 1 x 28 x 28, int64 labels, int64 ids), without a copy per row."""
+    images = table.column("image").combine_chunks()
+    width = images.type.byte_width
+    pixels = np.frombuffer(images.buffers()[1], dtype=np.uint8,
+                           count=len(images) * width, offset=images.offset * width)
+    side = int(round(width ** 0.5))
+    return (
+        torch.from_numpy(pixels.reshape(len(images), 1, side, side).copy()),
+        torch.from_numpy(table.column("label").to_numpy().astype(np.int64)),
+        torch.from_numpy(table.column("id").to_numpy().astype(np.int64)),
+    )
+
+
+def _collate_fn():
+    from ray.data.collate_fn import ArrowBatchCollateFn
+
+    class ToTensors(ArrowBatchCollateFn):
+        def __call__(self, table: pa.Table):
+            return _to_tensors(table)
+
+    return ToTensors()
+
+
+class ShardData:
+    """A worker's Ray Data shards as the loop's ``TrainData``.
+
+    Ray Train splits the training set into equal shards (``streaming_split(equal=True)``, up to
+    world_size - 1 rows dropped per epoch), so every rank yields the same number of batches.
+    Each rank's batch is ``global_batch_size // world_size`` rows; the loss is averaged over the
+    batch of all ranks. Mid-epoch resume skips the batches already trained: the step count is
+    exact, the samples of the rest of that epoch are a fresh draw.
+    """
+
+    def __init__(self, train_shard, val_shard, stats: dict, global_batch_size: int,
+                 world_size: int, rank: int, seed: int):
+        self.train_shard = train_shard
+        self.val_shard = val_shard
+        self.mean = stats["mean"]
+        self.std = stats["std"]
+        self.num_train = stats["num_train"]
+        self.num_val = stats["num_val"]
+        self.world_size = world_size
+        self.rank = rank
+        self.seed = seed
+        self.batch_size = global_batch_size // world_size
+        self.collate_fn = _collate_fn()
+        self.seen_ids: list[torch.Tensor] | None = None
+        """When a list, the ids of every training sample this rank yields are appended."""
+
+    def _normalise(self, pixels: torch.Tensor) -> torch.Tensor:
+        # The arithmetic of data.normalise, so both paths feed the model the same values.
+        return (pixels.to(torch.float32).div_(255.0) - self.mean) / self.std
+
+    def train_batches(self, epoch: int, start_step: int) -> Iterator[TrainBatch]:
+        batches = self.train_shard.iter_torch_batches(
+            batch_size=self.batch_size, collate_fn=self.collate_fn,
+            local_shuffle_buffer_size=SHUFFLE_BUFFER_ROWS,
+            local_shuffle_seed=self.seed * 1_000_003 + epoch * 1_009 + self.rank,
+            prefetch_batches=4,
+        )
+        for step, (pixels, labels, ids) in enumerate(batches):
+            if step < start_step:
+                continue
+            if self.seen_ids is not None:
+                self.seen_ids.append(ids)
+            yield TrainBatch(self._normalise(pixels), labels, len(labels) * self.world_size)
+
+    def val_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for pixels, labels, _ in self.val_shard.iter_torch_batches(
+            batch_size=batch_size, collate_fn=self.collate_fn
+        ):
+            yield self._normalise(pixels), labels
