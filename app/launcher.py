@@ -213,25 +213,33 @@ def data_inputs(
     }
 
 
+def _uri(filesystem: pyarrow.fs.FileSystem | None, path: str) -> str:
+    """Ray reports paths within their filesystem; s3://... is what a person can use again."""
+    if filesystem is None or isinstance(filesystem, pyarrow.fs.LocalFileSystem):
+        return path
+    return f"{filesystem.type_name}://{path}"
+
+
 def _summarise(result: ray.train.Result) -> RunSummary:
     latest = result.checkpoint
+    run_uri = _uri(result.filesystem, result.path)
     if latest is None:
-        raise RunFailed(f"the run ended without a checkpoint; see the logs under {result.path}")
+        raise RunFailed(f"the run ended without a checkpoint; see the logs under {run_uri}")
     with latest.as_directory() as directory:
         history = checkpoint.load_history(directory)
     best_checkpoint, best_metrics = max(
         result.best_checkpoints, key=lambda pair: pair[1]["checkpoint_score"]
     )
     metrics_uri, curves_uri = results.write(
-        result.path, history, title=f"{result.path.rstrip('/').rsplit('/', 1)[-1]}"
+        run_uri, history, title=f"{run_uri.rstrip('/').rsplit('/', 1)[-1]}"
     )
     return RunSummary(
-        run_uri=result.path,
+        run_uri=run_uri,
         history=history,
         best_accuracy=best_metrics["val_accuracy"],
         best_epoch=best_metrics["epoch"],
-        best_checkpoint=best_checkpoint.path,
-        latest_checkpoint=latest.path,
+        best_checkpoint=_uri(best_checkpoint.filesystem, best_checkpoint.path),
+        latest_checkpoint=_uri(latest.filesystem, latest.path),
         metrics_uri=metrics_uri,
         curves_uri=curves_uri,
     )

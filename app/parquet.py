@@ -78,6 +78,10 @@ def open_manifest(uri: str) -> Manifest:
     try:
         info = filesystem.get_file_info(manifest_path)
         if info.type != pyarrow.fs.FileType.File:
+            bucket = root.split("/", 1)[0]
+            if uri.startswith("s3://") and \
+                    filesystem.get_file_info(bucket).type == pyarrow.fs.FileType.NotFound:
+                raise UserError(f"cannot read {uri}: the bucket {bucket!r} does not exist")
             listing = filesystem.get_file_info(pyarrow.fs.FileSelector(root, recursive=True,
                                                                        allow_not_found=True))
             if any(entry.path.endswith(".parquet") for entry in listing):
@@ -94,7 +98,7 @@ def open_manifest(uri: str) -> Manifest:
             values = json.loads(stream.read())
     except OSError as error:
         raise _storage_error(uri, error) from None
-    except ValueError as error:
+    except json.JSONDecodeError as error:
         raise UserError(f"{_uri(uri, MANIFEST)} is not valid JSON: {error}") from None
     if not isinstance(values, dict) or values.get("format") != FORMAT:
         found = values.get("format") if isinstance(values, dict) else None
@@ -177,7 +181,7 @@ def _to_tensors(table: pa.Table) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     width = images.type.byte_width
     pixels = np.frombuffer(images.buffers()[1], dtype=np.uint8,
                            count=len(images) * width, offset=images.offset * width)
-    side = int(round(width ** 0.5))
+    side = round(width ** 0.5)
     return (
         torch.from_numpy(pixels.reshape(len(images), 1, side, side).copy()),
         torch.from_numpy(table.column("label").to_numpy().astype(np.int64)),
