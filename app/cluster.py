@@ -39,6 +39,12 @@ def connect(address: str | None, verbose: bool) -> bool:
         try:
             ray.init(address=address, **options)
         except (ConnectionError, RuntimeError, ValueError) as error:
+            if _is_authentication_error(error):
+                raise UserError(
+                    f"the Ray cluster at {address!r} refused the connection: it uses token "
+                    "authentication; set RAY_AUTH_MODE=token and make its token available "
+                    "(~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN)"
+                ) from None
             raise UserError(
                 f"cannot reach the Ray cluster at {address!r} ({error}); start one with "
                 "'ray start --head', fix --address/RAY_ADDRESS, or leave both unset to run on an "
@@ -54,6 +60,15 @@ def connect(address: str | None, verbose: bool) -> bool:
         **options,
     )
     return True
+
+
+def _is_authentication_error(error: BaseException | None) -> bool:
+    seen = 0
+    while error is not None and seen < 10:
+        if type(error).__name__ == "AuthenticationError" or "InvalidAuthToken" in str(error):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
 
 
 def _alive_nodes() -> dict[str, dict[str, float]]:
@@ -113,13 +128,26 @@ def check_capacity(
     """Raise UserError unless ``min_workers`` workers fit on ``nodes`` (default: the connected
     cluster's live nodes, polled for up to ``wait_s`` while an autoscaler may add some)."""
     deadline = time.monotonic() + wait_s
-    while True:
-        current = nodes if nodes is not None else live_node_resources()
-        if workers_that_fit(current, workers) >= workers.min_workers:
-            return
-        if nodes is not None or time.monotonic() >= deadline:
-            break
-        time.sleep(1.0)
+    requested = False
+    try:
+        while True:
+            current = nodes if nodes is not None else live_node_resources()
+            if workers_that_fit(current, workers) >= workers.min_workers:
+                return
+            if nodes is not None or time.monotonic() >= deadline:
+                break
+            if not requested:
+                # An autoscaler adds nodes only for demand it sees: show it the minimum group.
+                # (Without an autoscaler this does nothing.) Ray Train asks for its own
+                # resources once it starts, so the request is withdrawn below either way.
+                _request_workers(workers)
+                requested = True
+            time.sleep(1.0)
+    finally:
+        if requested:
+            from ray.autoscaler.sdk import request_resources
+
+            request_resources(bundles=[])
     nodes = current
     fix = (
         "drop --use-gpu or run on a cluster with GPUs"
@@ -131,6 +159,13 @@ def check_capacity(
         f"each: it has {describe(nodes)} (at most {workers_that_fit(nodes, workers)} such "
         f"worker(s)); {fix}"
     )
+
+
+def _request_workers(workers: WorkersConfig) -> None:
+    from ray.autoscaler.sdk import request_resources
+
+    bundle = {"CPU": workers.cpus_per_worker} | ({"GPU": 1} if workers.use_gpu else {})
+    request_resources(bundles=[bundle] * workers.min_workers)
 
 
 class ClusterWatch:
