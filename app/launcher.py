@@ -168,8 +168,8 @@ def make_trainer(
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={**train_config.to_dict(), **(extra_worker_config or {})},
-        # Ray Train splits each data set into equal shards, again at every (re)start.
         datasets=datasets,
+        dataset_config=parquet.data_config(),
         scaling_config=ray.train.ScalingConfig(
             num_workers=num_workers,
             use_gpu=workers.use_gpu,

@@ -175,6 +175,14 @@ def ray_datasets(manifest: Manifest, config: DataConfig, verbose: bool) -> dict:
     return datasets
 
 
+def data_config():
+    """How Ray Train hands the sets to the workers: the training set split into equal shards at
+    every (re)start; the validation set whole to every worker (``ShardData.val_batches``)."""
+    import ray.train
+
+    return ray.train.DataConfig(datasets_to_split=["train"])
+
+
 def _to_tensors(table: pa.Table) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(uint8 images N x 1 x 28 x 28, int64 labels, int64 ids), without a copy per row."""
     images = table.column("image").combine_chunks()
@@ -202,15 +210,21 @@ def _collate_fn():
 class ShardData:
     """A worker's Ray Data shards as the loop's ``TrainData``.
 
-    Ray Train splits the training set into equal shards (``streaming_split(equal=True)``, up to
+    Ray Train splits the training set (only) into equal shards (``streaming_split(equal=True)``, up to
     world_size - 1 rows dropped per epoch), so every rank yields the same number of batches.
     Each rank's batch is ``global_batch_size // world_size`` rows; the loss is averaged over the
-    batch of all ranks. Mid-epoch resume skips the batches already trained: the step count is
-    exact, the samples of the rest of that epoch are a fresh draw.
+    batch of all ranks.
+
+    Cached data (the default): at the start of an epoch the rank pulls its whole shard as uint8
+    (the shards change every epoch with the block order) and trains on a full permutation of it,
+    so iterating costs nothing during the steps. Streamed data (``stream``): batches come straight
+    from ``iter_torch_batches`` with a bounded local shuffle buffer, for shards too large to
+    hold. Mid-epoch resume skips the batches already trained: the step count is exact, the
+    samples of the rest of that epoch are a fresh draw.
     """
 
     def __init__(self, train_shard, val_shard, stats: dict, global_batch_size: int,
-                 world_size: int, rank: int, seed: int):
+                 world_size: int, rank: int, seed: int, stream: bool = False):
         self.train_shard = train_shard
         self.val_shard = val_shard
         self.mean = stats["mean"]
@@ -220,6 +234,7 @@ class ShardData:
         self.world_size = world_size
         self.rank = rank
         self.seed = seed
+        self.stream = stream
         self.batch_size = global_batch_size // world_size
         self.collate_fn = _collate_fn()
         self.seen_ids: list[torch.Tensor] | None = None
@@ -229,13 +244,28 @@ class ShardData:
         # The arithmetic of data.normalise, so both paths feed the model the same values.
         return (pixels.to(torch.float32).div_(255.0) - self.mean) / self.std
 
-    def train_batches(self, epoch: int, start_step: int) -> Iterator[TrainBatch]:
-        batches = self.train_shard.iter_torch_batches(
+    def _epoch_seed(self, epoch: int) -> int:
+        return self.seed * 1_000_003 + epoch * 1_009 + self.rank
+
+    def _streamed(self, epoch: int) -> Iterator[tuple[torch.Tensor, ...]]:
+        return self.train_shard.iter_torch_batches(
             batch_size=self.batch_size, collate_fn=self.collate_fn,
             local_shuffle_buffer_size=SHUFFLE_BUFFER_ROWS,
-            local_shuffle_seed=self.seed * 1_000_003 + epoch * 1_009 + self.rank,
-            prefetch_batches=4,
+            local_shuffle_seed=self._epoch_seed(epoch), prefetch_batches=4,
         )
+
+    def _cached(self, epoch: int) -> Iterator[tuple[torch.Tensor, ...]]:
+        parts = list(self.train_shard.iter_torch_batches(batch_size=4_096,
+                                                         collate_fn=self.collate_fn))
+        pixels, labels, ids = (torch.cat(column) for column in zip(*parts, strict=True))
+        order = torch.randperm(len(labels),
+                               generator=torch.Generator().manual_seed(self._epoch_seed(epoch)))
+        for start in range(0, len(order), self.batch_size):
+            chosen = order[start:start + self.batch_size]
+            yield pixels[chosen], labels[chosen], ids[chosen]
+
+    def train_batches(self, epoch: int, start_step: int) -> Iterator[TrainBatch]:
+        batches = self._streamed(epoch) if self.stream else self._cached(epoch)
         for step, (pixels, labels, ids) in enumerate(batches):
             if step < start_step:
                 continue
@@ -244,7 +274,17 @@ class ShardData:
             yield TrainBatch(self._normalise(pixels), labels, len(labels) * self.world_size)
 
     def val_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        # The validation split is not sharded (every rank reads it whole: it is small, and an
+        # equal split would drop rows); each rank scores a contiguous part, as in memory.
+        start = self.num_val * self.rank // self.world_size
+        end = self.num_val * (self.rank + 1) // self.world_size
+        position = 0
         for pixels, labels, _ in self.val_shard.iter_torch_batches(
             batch_size=batch_size, collate_fn=self.collate_fn
         ):
-            yield self._normalise(pixels), labels
+            first, last = max(start - position, 0), min(end - position, len(labels))
+            position += len(labels)
+            if first < last:
+                yield self._normalise(pixels[first:last]), labels[first:last]
+            if position >= end:
+                break

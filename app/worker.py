@@ -58,6 +58,7 @@ def _train_data(config: TrainConfig, worker_config: dict[str, Any], rank: int,
         return stats["dataset"], ShardData(
             ray.train.get_dataset_shard("train"), ray.train.get_dataset_shard("val"), stats,
             config.loop.global_batch_size, world_size, rank, config.loop.seed,
+            stream=config.data.stream,
         )
     dataset = data.load(config.data)
     return dataset.name, InMemoryData(

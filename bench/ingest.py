@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import statistics
 import sys
@@ -58,7 +59,8 @@ def _ingest_loop(config: dict) -> None:
         started = time.perf_counter()
         samples = sum(batch.global_size for batch in source.train_batches(epoch, 0))
         rates.append(samples / (time.perf_counter() - started))
-    ray.train.report({"rates": rates})
+    if rank == 0:  # Ray Train V2's Result keeps metrics only with a checkpoint: a file instead
+        Path(config["out"]).write_text(json.dumps(rates))
 
 
 def ingest_only(data_dir: Path, manifest, stream: bool, workers: int, args, storage: Path):
@@ -69,8 +71,10 @@ def ingest_only(data_dir: Path, manifest, stream: bool, workers: int, args, stor
     from app.worker import PARQUET_KEY
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    storage.mkdir(parents=True, exist_ok=True)
+    out = storage / f"rates-{workers}-{manifest is not None}-{stream}.json"
     config = {"data_dir": str(data_dir), "global_batch_size": args.global_batch_size,
-              "epochs": args.epochs}
+              "epochs": args.epochs, "out": str(out)}
     datasets = None
     if manifest is not None:
         config[PARQUET_KEY] = manifest.to_dict()
@@ -79,11 +83,13 @@ def ingest_only(data_dir: Path, manifest, stream: bool, workers: int, args, stor
         )
     trainer = TorchTrainer(
         _ingest_loop, train_loop_config=config, datasets=datasets,
+        dataset_config=parquet.data_config(),
         scaling_config=ray.train.ScalingConfig(num_workers=workers),
         run_config=ray.train.RunConfig(storage_path=str(storage),
                                        name=f"ingest-{workers}-{manifest is not None}-{stream}"),
     )
-    return trainer.fit().metrics["rates"]
+    trainer.fit()
+    return json.loads(out.read_text())
 
 
 def real_step(data_dir: Path, manifest, stream: bool, workers: int, args, storage: Path):

@@ -220,6 +220,7 @@ def test_shards_are_equal_and_cover_the_split_once_per_epoch(cluster, local_parq
         train_loop_config={"stats": manifest.to_dict(), "global_batch_size": 128,
                            "out_dir": str(tmp_path)},
         datasets=parquet.ray_datasets(manifest, DataConfig(parquet=manifest.uri), verbose=False),
+        dataset_config=parquet.data_config(),
         scaling_config=ray.train.ScalingConfig(num_workers=2),
         run_config=ray.train.RunConfig(storage_path=str(tmp_path), name="ids"),
     )
@@ -258,6 +259,31 @@ def test_trains_from_parquet_to_the_in_memory_accuracy_bar(cluster, local_parque
     assert summary.best_accuracy >= 0.97, summary.history
     start = next(event for event in console.events if event["event"] == "start")
     assert (start["source"], start["num_train"], start["num_val"]) == ("parquet", 8_000, 2_000)
+
+
+def test_streaming_rereads_every_epoch_and_needs_a_spare_cpu(cluster, local_parquet, tmp_path):
+    import io
+
+    from app import launcher
+    from app.config import DataConfig, LoopConfig, RunConfig, TrainConfig, WorkersConfig
+    from app.console import Console
+
+    manifest = parquet.open_manifest(str(local_parquet))
+    data = DataConfig(dataset=manifest.dataset, parquet=manifest.uri, stream=True)
+    console = Console(io.StringIO())
+    # 2 CPUs: one worker, and one for Ray Data's readers.
+    summary = launcher.launch(
+        TrainConfig(data=data, loop=LoopConfig(epochs=2)), WorkersConfig(),
+        RunConfig("stream", str(tmp_path)), console=console, manifest=manifest,
+    )
+    assert [row["epoch"] for row in summary.history] == [1, 2]
+    assert summary.best_accuracy >= 0.95, summary.history
+    assert "Streaming" in console.stream.getvalue()
+    with pytest.raises(UserError, match="needs a CPU for Ray Data beside the 2 worker"):
+        launcher.launch(
+            TrainConfig(data=data), WorkersConfig(min_workers=2, max_workers=2),
+            RunConfig("stream2", str(tmp_path)), console=console, manifest=manifest,
+        )
 
 
 def _s3_json(path: str):
