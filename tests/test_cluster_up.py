@@ -15,7 +15,6 @@ import getpass
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,18 +23,13 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+from localnet import free_port, wait_for_port
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = str(Path(sys.executable).parent)
 RAY_PROCESSES = ("raylet", "gcs_server")
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -65,7 +59,7 @@ class Sshd:
 
     def __init__(self, folder: Path):
         self.folder = folder
-        self.port = _free_port()
+        self.port = free_port()
         self.home = folder / "home"
         self.home.mkdir(parents=True)
         self.key = folder / "id_ed25519"
@@ -88,14 +82,8 @@ class Sshd:
         self.process = subprocess.Popen(
             ["/usr/sbin/sshd", "-D", "-f", str(config), "-E", str(folder / "sshd.log")]
         )
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return
-            except OSError:
-                time.sleep(0.2)
-        raise RuntimeError(f"sshd did not start: {(folder / 'sshd.log').read_text()}")
+        if not wait_for_port(self.port, timeout_s=20):
+            raise RuntimeError(f"sshd did not start: {(folder / 'sshd.log').read_text()}")
 
     @property
     def proxy_command(self) -> str:
@@ -130,7 +118,7 @@ def sshd(tmp_path):
 def _loopback_config(sshd: Sshd, tmp_path: Path) -> tuple[Path, int]:
     """cluster/local.yaml with the head at 127.0.0.1 through the test's sshd."""
     config = yaml.safe_load((ROOT / "cluster" / "local.yaml").read_text())
-    gcs_port, dashboard_port = _free_port(), _free_port()
+    gcs_port, dashboard_port = free_port(), free_port()
     config["cluster_name"] = f"loopback-{os.getpid()}"
     config["provider"].update(head_ip="127.0.0.1", worker_ips=[])
     config["auth"] = {"ssh_user": getpass.getuser(), "ssh_private_key": str(sshd.key),
@@ -183,7 +171,7 @@ FAKE_HEAD_NODE_ID = "f" * 51 + "00000"
 def test_autoscaling_cluster_grows_for_an_elastic_run(no_ray_running, tmp_path):
     """A head with no CPUs and a 1-CPU worker type (at most 2): an elastic run of 1-2 workers
     makes the autoscaler start worker nodes and trains on two of them."""
-    gcs_port = _free_port()
+    gcs_port = free_port()
     import ray._private.services
 
     node_ip = ray._private.services.get_node_ip_address()

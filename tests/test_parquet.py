@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pyarrow as pa
 import pyarrow.fs
 import pyarrow.parquet as pq
 import pytest
+from localnet import free_port, wait_for_port
 
 from app import parquet, prepare, train
 from app.config import UserError
@@ -28,32 +28,20 @@ S3_ENV = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 class S3Server:
     """moto's S3 server as a child process on 127.0.0.1."""
 
     def __init__(self, log: Path, **env: str):
-        self.port = _free_port()
+        self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self._log = open(log, "w")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **S3_ENV, **env},
         )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return
-            except OSError:
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"moto server did not start; see {log}")
+        if not wait_for_port(self.port):
+            self.stop()
+            raise RuntimeError(f"moto server did not start; see {log}")
 
     def stop(self) -> None:
         self.process.terminate()
@@ -150,7 +138,7 @@ def test_a_bucket_that_does_not_exist_is_named(s3, capsys):
 
 
 def test_unreachable_s3_is_reported_quickly(s3, monkeypatch, capsys):
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     started = time.monotonic()
     err = _train_error(capsys, "--parquet", "s3://data/mnist")
     assert "unreachable" in err and time.monotonic() - started < 30
