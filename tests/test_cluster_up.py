@@ -48,6 +48,10 @@ def _ray_processes() -> list[str]:
 
 @pytest.fixture
 def no_ray_running():
+    # A cluster an earlier test shut down may take a few seconds to exit.
+    deadline = time.monotonic() + 30
+    while _ray_processes() and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert _ray_processes() == [], "another Ray cluster is running; this test stops all of them"
     yield
     subprocess.run(["ray", "stop", "--force"], env=_env(), capture_output=True, timeout=120)
