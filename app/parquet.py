@@ -8,6 +8,7 @@ worker's shard into the training loop's batches with ``iter_torch_batches``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterator
@@ -147,7 +148,7 @@ def _check_files(manifest: Manifest, filesystem, root: str, files: dict[str, lis
             f"expected ({', '.join(f'{f.name}: {f.type}' for f in SCHEMA)}) as app.prepare "
             "writes them"
         )
-    return Manifest(**{**manifest.__dict__, "total_bytes": sum(info.size for info in infos)})
+    return dataclasses.replace(manifest, total_bytes=sum(info.size for info in infos))
 
 
 def ray_datasets(manifest: Manifest, config: DataConfig, verbose: bool) -> dict:
