@@ -13,7 +13,17 @@ from typing import Protocol
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
+from app.config import UserError
 from app.data import Split
+
+
+def check_batch_fits(global_batch_size: int, num_train: int, dataset: str) -> None:
+    """A global batch larger than the training set would be one short step per epoch."""
+    if global_batch_size > num_train:
+        raise UserError(
+            f"--global-batch-size {global_batch_size:,} is larger than the {num_train:,} "
+            f"training samples of {dataset}: use at most {num_train:,}"
+        )
 
 
 @dataclass(frozen=True)

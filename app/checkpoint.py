@@ -7,6 +7,7 @@ the run resumes at the same world size (otherwise each rank reseeds from seed, e
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,13 @@ import torch
 
 STATE_FILE = "state.pt"
 HISTORY_FILE = "history.json"
+FORMAT_VERSION = 1
+"""Layout of ``state.pt``; raised when it changes incompatibly, so an old app refuses a newer
+checkpoint by name instead of failing on a missing key."""
+
+
+class UnreadableCheckpoint(ValueError):
+    """A checkpoint folder that cannot be loaded (truncated, partial, foreign or newer)."""
 
 
 @dataclass
@@ -43,6 +51,7 @@ class TrainingState:
     """Per-epoch metrics of every epoch completed so far."""
     config: dict[str, Any] = field(default_factory=dict)
     """The TrainConfig the run was started with, as a dict."""
+    format_version: int = FORMAT_VERSION
 
 
 def save(state: TrainingState, directory: str | Path) -> None:
@@ -54,8 +63,44 @@ def save(state: TrainingState, directory: str | Path) -> None:
 
 
 def load(directory: str | Path) -> TrainingState:
-    values = torch.load(Path(directory) / STATE_FILE, map_location="cpu", weights_only=True)
-    return TrainingState(**values)
+    """Raises UnreadableCheckpoint, saying why, for anything but a complete checkpoint."""
+    directory = Path(directory)
+    try:
+        values = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True)
+        # Written after state.pt: a checkpoint without it was cut short.
+        json.loads((directory / HISTORY_FILE).read_text())
+    except FileNotFoundError as error:
+        raise UnreadableCheckpoint(f"{Path(error.filename).name} is missing") from None
+    except Exception as error:  # noqa: BLE001 - torch raises RuntimeError, pickle and zip errors
+        raise UnreadableCheckpoint(f"{type(error).__name__}: {error}") from None
+    if not isinstance(values, dict):
+        raise UnreadableCheckpoint(f"{STATE_FILE} is not a training state")
+    version = values.get("format_version", 1)  # the first layout carried no version
+    if version > FORMAT_VERSION:
+        raise UnreadableCheckpoint(
+            f"written in checkpoint format {version} by a newer version of this app (this one "
+            f"reads up to {FORMAT_VERSION}); upgrade it"
+        )
+    try:
+        return TrainingState(**values)
+    except TypeError as error:
+        raise UnreadableCheckpoint(f"{STATE_FILE} is not a training state ({error})") from None
+
+
+_CHECKPOINT_NAME = re.compile(r"^checkpoint_epoch_(\d+)(?:_step_(\d+))?$")
+
+
+def age_order(name: str) -> tuple[int, float] | None:
+    """Sort key of a checkpoint folder name, oldest first; None for other names.
+
+    ``checkpoint_epoch_0005`` ends epoch 5; ``checkpoint_epoch_0005_step_000020`` is 20 steps
+    into epoch 5, so it comes before the end of that epoch (a plain name sort gets this wrong).
+    """
+    match = _CHECKPOINT_NAME.match(name)
+    if match is None:
+        return None
+    step = match.group(2)
+    return int(match.group(1)), float("inf") if step is None else int(step)
 
 
 def load_history(directory: str | Path) -> list[dict[str, Any]]:

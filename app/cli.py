@@ -4,6 +4,8 @@ line on stderr."""
 from __future__ import annotations
 
 import argparse
+import re
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +15,18 @@ from app.console import Console
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM, what a shell reports for a process SIGTERM ended
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (``ray job stop``, Kubernetes, Slurm, a spot shutdown): stop like Ctrl-C.
+
+    A BaseException, as KeyboardInterrupt is, so no ``except Exception`` on the way swallows it.
+    """
+
+
+def _terminate(signum, frame):
+    raise Terminated()
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -29,9 +43,33 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def storage_uri(path: str) -> str:
-    """A URI as given; a local path made absolute (Ray needs absolute storage paths)."""
-    return path if "://" in path else str(Path(path).expanduser().resolve())
+STORAGE_SCHEMES = ("s3", "gs", "gcs", "hdfs", "abfs", "abfss", "file")
+"""URI schemes of the filesystems pyarrow (and so Ray Train) writes to."""
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(//)?(.*)$", re.DOTALL)
+
+
+def storage_uri(path: str, flag: str = "--storage-path") -> str:
+    """A URI as given; a local path made absolute (Ray needs absolute storage paths).
+
+    Refuses what would silently land somewhere else: ``s3:/bucket`` (one slash) would be a
+    local folder named ``s3:``, and an unknown scheme a local folder too.
+    """
+    if not path.strip():
+        raise UserError(f"{flag} must not be empty")
+    match = _SCHEME.match(path)
+    if match is None:
+        return str(Path(path).expanduser().resolve())
+    scheme, slashes, rest = match.groups()
+    if scheme.lower() not in STORAGE_SCHEMES:
+        raise UserError(
+            f"{flag} {path!r}: unknown scheme {scheme + ':'!r}; use a local folder or one of "
+            + ", ".join(f"{known}://" for known in STORAGE_SCHEMES)
+        )
+    if not slashes:
+        raise UserError(f"{flag} {path!r} is not a URI: write it as {scheme}://{rest.lstrip('/')}")
+    if not rest.strip("/") and scheme.lower() != "file":
+        raise UserError(f"{flag} {path!r} names no bucket: write it as {scheme}://BUCKET/PREFIX")
+    return path
 
 
 def run_main(
@@ -40,8 +78,10 @@ def run_main(
     argv: list[str] | None,
     interrupted: str,
 ) -> int:
-    """Parse, run, and map a UserError to one stderr line and exit 2, Ctrl-C to exit 130."""
+    """Parse, run, and map a UserError to one stderr line and exit 2, Ctrl-C to exit 130 and
+    SIGTERM to exit 143 (each with one line saying what was kept)."""
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         return run(args, Console())
     except UserError as error:
@@ -50,3 +90,6 @@ def run_main(
     except KeyboardInterrupt:
         print(f"interrupted: {interrupted}", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
+    except Terminated:
+        print(f"terminated: {interrupted}", file=sys.stderr, flush=True)
+        return EXIT_TERMINATED

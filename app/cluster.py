@@ -9,6 +9,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
+import socket
+import threading
 import time
 
 import ray
@@ -27,7 +30,31 @@ FAST_RECOVERY_SYSTEM_CONFIG = {
 
 
 def connect(address: str | None, verbose: bool) -> bool:
-    """Join the cluster at ``address``, or start an embedded one; True when embedded."""
+    """Join the cluster at ``address``, or start an embedded one; True when embedded.
+
+    Keeps the process's own SIGTERM and SIGINT handlers: ray.init installs Ray's, which on
+    SIGTERM dumps a C++ stack and exits 134 instead of letting the app stop cleanly.
+    """
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _connect(address, verbose)
+    finally:
+        for number, handler in handlers.items():
+            if handler is not None:
+                signal.signal(number, handler)
+
+
+def disconnect(timeout_s: float = 8.0) -> None:
+    """ray.shutdown(), but never for longer than ``timeout_s``: a stop (Ctrl-C, SIGTERM) must
+    end the command promptly even when the cluster no longer answers."""
+    stopper = threading.Thread(target=ray.shutdown, name="ray-shutdown", daemon=True)
+    stopper.start()
+    stopper.join(timeout_s)
+
+
+def _connect(address: str | None, verbose: bool) -> bool:
     options = dict(
         logging_level=logging.INFO if verbose else logging.ERROR,
         # Worker output (Ray Train's own logs among it) reaches the console only with --verbose;
@@ -36,6 +63,7 @@ def connect(address: str | None, verbose: bool) -> bool:
         configure_logging=True,
     )
     if address:
+        _check_reachable(address)
         try:
             ray.init(address=address, **options)
         except (ConnectionError, RuntimeError, ValueError) as error:
@@ -60,6 +88,35 @@ def connect(address: str | None, verbose: bool) -> bool:
         **options,
     )
     return True
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail in seconds on an address nothing listens at: ray.init would retry for minutes.
+
+    ``auto`` (the cluster this machine belongs to) is left to Ray.
+    """
+    scheme, _, rest = address.rpartition("://")
+    if scheme in ("http", "https"):
+        raise UserError(
+            f"--address {address!r} is a dashboard (HTTP) URL; give the cluster's GCS address "
+            "instead (host:6379, or 'auto' on a node of the cluster); to run through the "
+            "dashboard use 'ray job submit --address URL -- python -m app.train ...'"
+        )
+    if scheme not in ("", "ray"):
+        raise UserError(f"--address {address!r}: expected host:port, ray://host:port or auto")
+    if rest == "auto" and not scheme:
+        return
+    host, _, port = rest.rpartition(":")
+    if not host or not port.isdigit():
+        raise UserError(f"--address {address!r}: expected host:port (e.g. 10.0.0.1:6379) or auto")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as error:
+        raise UserError(
+            f"cannot reach the Ray cluster at {address!r} ({error.strerror or error}); start one "
+            "with 'ray start --head', fix --address/RAY_ADDRESS, or leave both unset to run on an "
+            "embedded local cluster"
+        ) from None
 
 
 def _is_authentication_error(error: BaseException | None) -> bool:
@@ -169,9 +226,16 @@ def _request_workers(workers: WorkersConfig) -> None:
 
 
 class ClusterWatch:
-    """Watches the nodes while a job runs: when nodes join, has Ray Train notice at once; when
-    the cluster has had room for fewer than ``min_workers`` workers for longer than
-    ``timeout_s``, fails the job (Ray Train would otherwise wait for them forever)."""
+    """Watches a job while it runs; ``check`` is called often and raises UserError to end it.
+
+    - Nodes joined: has Ray Train notice at once. Nodes left: the restart must not plan for them.
+    - The cluster has had room for fewer than ``min_workers`` workers for ``timeout_s``: Ray
+      Train would wait for them forever.
+    - No worker has run for ``timeout_s`` (``last_alive``, the time of rank 0's last sign of
+      life): the worker group cannot be placed although the cluster is big enough, e.g. its
+      resources are reserved by another job's placement group or one Ray left behind.
+    - A failed node query (a GCS hiccup) is retried; only ``timeout_s`` of them in a row fail.
+    """
 
     def __init__(self, workers: WorkersConfig, timeout_s: float, poll_s: float = 0.5):
         self.workers = workers
@@ -179,16 +243,28 @@ class ClusterWatch:
         self.poll_s = poll_s
         self._last_poll = float("-inf")
         self._short_since: float | None = None
+        self._unanswered_since: float | None = None
         self._node_ids: set[str] | None = None
 
-    def check(self) -> None:
+    def check(self, last_alive: float | None = None) -> None:
         now = time.monotonic()
         if now - self._last_poll < self.poll_s:
             return
         self._last_poll = now
-        alive = _alive_nodes()
+        if last_alive is not None and now - last_alive > self.timeout_s:
+            self._stalled()
+        try:
+            alive = _alive_nodes()
+        except Exception as error:  # noqa: BLE001 - Ray raises various types while GCS restarts
+            self._unanswered_since = self._unanswered_since or now
+            if now - self._unanswered_since > self.timeout_s:
+                raise UserError(
+                    f"the Ray cluster has not answered for {self.timeout_s:g} s ({error}); the "
+                    "latest checkpoint is kept, rerun with the same --name"
+                ) from None
+            return
+        self._unanswered_since = None
         if self._node_ids is not None and alive.keys() != self._node_ids:
-            # Joined: grow now. Left: the restart must not plan for the node that is gone.
             refresh_autoscaling_view()
         self._node_ids = set(alive)
         nodes = list(alive.values())
@@ -204,6 +280,20 @@ class ClusterWatch:
                 f"{describe(nodes)}; the latest checkpoint is kept, rerun with the same --name "
                 "once nodes are back (or lower the minimum of --num-workers)"
             )
+
+    def _stalled(self) -> None:
+        from app.placement import describe_reservations
+
+        try:
+            reservations = describe_reservations()
+        except Exception as error:  # noqa: BLE001 - the message matters more than its detail
+            reservations = f"the cluster did not say what it holds ({error})"
+        raise UserError(
+            f"no training worker has run for {self.timeout_s:g} s: {self.workers.min_workers} "
+            f"worker(s) of {_worker_shape(self.workers)} cannot be placed ({reservations}); the "
+            "latest checkpoint is kept, rerun with the same --name once resources are free "
+            "(or raise --placement-timeout)"
+        )
 
 
 def check_data_cpus(workers: WorkersConfig) -> None:

@@ -7,6 +7,7 @@ Parsed once at the CLI edge. Across the Ray boundary the worker receives ``Train
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,20 @@ from typing import Any
 
 class UserError(ValueError):
     """Something the user can fix; the CLI prints it as one line and exits with status 2."""
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or its gradient became NaN or infinite. A restart from the last checkpoint would
+    diverge the same way, so Ray Train must not retry it; the CLI exits with status 1."""
+
+
+class StorageFailure(RuntimeError):
+    """A checkpoint could not be written (disk full, no permission). A restart would fail the
+    same way, so Ray Train must not retry it; the CLI exits with status 1."""
+
+
+NOT_RETRYABLE = (UserError, TrainingDiverged, StorageFailure)
+"""Worker errors that end a run at once, whatever ``--max-failures`` allows."""
 
 
 DATASETS = ("mnist", "fashion-mnist", "digits")
@@ -52,8 +67,8 @@ class OptimConfig:
     """Multiply the learning rate by this after every epoch (StepLR gamma)."""
 
     def __post_init__(self):
-        if not self.lr > 0:
-            raise UserError(f"learning rate must be > 0, got {self.lr}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise UserError(f"learning rate must be a finite number > 0, got {self.lr}")
         if not 0 < self.lr_decay <= 1:
             raise UserError(f"lr decay must be in (0, 1], got {self.lr_decay}")
 
@@ -134,6 +149,21 @@ class TrainConfig:
 
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+MAX_NAME_LENGTH = 100
+"""Folder names of runs, sweeps and trials (``trial-<id>`` under a sweep) must fit in one path
+component (255 bytes) with room for Ray's suffixes."""
+
+
+def check_name(name: str, what: str = "run name") -> str:
+    """``name`` if it is usable as a folder name everywhere; UserError otherwise."""
+    if len(name) > MAX_NAME_LENGTH:
+        raise UserError(f"{what} is {len(name)} characters long; use at most {MAX_NAME_LENGTH}")
+    if not _NAME.match(name):
+        raise UserError(
+            f"{what} {name!r} must start with a letter or digit and contain only "
+            "letters, digits, '.', '_' and '-'"
+        )
+    return name
 
 
 @dataclass(frozen=True)
@@ -179,10 +209,17 @@ class FaultToleranceConfig:
     def __post_init__(self):
         if self.max_failures < -1:
             raise UserError(f"max failures must be -1 (no limit) or >= 0, got {self.max_failures}")
-        if self.resize_interval_s <= 0:
-            raise UserError(f"resize interval must be > 0 s, got {self.resize_interval_s}")
-        if self.placement_timeout_s <= 0:
-            raise UserError(f"placement timeout must be > 0 s, got {self.placement_timeout_s}")
+        # `not x > 0` also refuses NaN, which would make every deadline unreachable.
+        if not (self.resize_interval_s > 0 and math.isfinite(self.resize_interval_s)):
+            raise UserError(
+                f"resize interval must be a finite number of seconds > 0, got "
+                f"{self.resize_interval_s}"
+            )
+        if not (self.placement_timeout_s > 0 and math.isfinite(self.placement_timeout_s)):
+            raise UserError(
+                f"placement timeout must be a finite number of seconds > 0, got "
+                f"{self.placement_timeout_s}"
+            )
 
 
 @dataclass(frozen=True)
@@ -195,11 +232,7 @@ class RunConfig:
     """Absolute local folder or URI (s3://...) that holds ``<name>/``."""
 
     def __post_init__(self):
-        if not _NAME.match(self.name):
-            raise UserError(
-                f"run name {self.name!r} must start with a letter or digit and contain only "
-                "letters, digits, '.', '_' and '-'"
-            )
+        check_name(self.name)
 
 
 def parse_worker_range(text: str) -> tuple[int, int]:

@@ -71,11 +71,15 @@ class Console:
         )
 
     def handle(self, event: dict[str, Any]) -> None:
+        if event["event"] == "heartbeat":
+            return  # for the driver's watchdog only
         self.events.append({**event, "received": time.time()})
         if event["event"] == "start":
             self.start(event)
         elif event["event"] == "epoch":
             self.epoch(event)
+        elif event["event"] == "warning":
+            self.line(f"warning: {event['message']}")
         elif event["event"] == "partial" and event["reason"] == "preemption":
             self.line(
                 f"A node is being drained: checkpointed at step {event['epoch_step']} of epoch "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import queue as queue_module
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from app import checkpoint, cluster, parquet, results
 from app.cluster import ClusterWatch
+from app.failures import AppFailurePolicy, not_retryable_cause
+from app.placement import PlacementGroupReaper
 from app.config import (
     FaultToleranceConfig,
     RunConfig,
@@ -33,7 +36,15 @@ from app.worker import PARQUET_KEY, PROGRESS_KEY, train_loop_per_worker
 
 
 class RunFailed(RuntimeError):
-    """Training failed for a reason that is not the user's input (after all retries)."""
+    """Training failed for a reason that is not the user's input (after all retries).
+
+    ``explained``: the message says what happened and what to do (a diverged loss, a full
+    disk), so the CLI prints it as it is rather than pointing at --verbose.
+    """
+
+    def __init__(self, message: str, explained: bool = False):
+        super().__init__(message)
+        self.explained = explained
 
 
 @dataclass(frozen=True)
@@ -71,16 +82,17 @@ def run_exists(run: RunConfig) -> bool:
     return filesystem.get_file_info(snapshot).type == pyarrow.fs.FileType.File
 
 
-def _user_error_in(error: BaseException) -> UserError | None:
-    """The UserError a worker raised, if that is what failed the run."""
-    failures = getattr(error, "worker_failures", {}) or {}
-    for failure in failures.values():
-        seen = failure
-        while seen is not None:
-            if isinstance(seen, UserError):
-                return seen
-            seen = getattr(seen, "cause", None) or seen.__cause__
-    return None
+class AppTorchTrainer(TorchTrainer):
+    """TorchTrainer with this app's failure policy (``app.failures``): errors that no restart
+    can fix end the run; a worker lost while the group restarts is one more failure."""
+
+    def _initialize_and_run_controller(self, **controller_init_kwargs) -> ray.train.Result:
+        # Ray Train builds its default policy from FailureConfig and offers no hook to choose
+        # another; the controller takes it as an argument (ray 2.60, pinned in pyproject.toml).
+        controller_init_kwargs["failure_policy"] = AppFailurePolicy(
+            self.run_config.failure_config
+        )
+        return super()._initialize_and_run_controller(**controller_init_kwargs)
 
 
 class _ProgressPump:
@@ -88,6 +100,8 @@ class _ProgressPump:
 
     def __init__(self, console: Console):
         self.console = console
+        self.last_alive = time.monotonic()
+        """When rank 0 last sent anything (its heartbeat comes every few seconds)."""
         # On the driver's node, like Ray Train's controller: a worker node may leave mid-run.
         self.queue = Queue(
             actor_options={
@@ -103,7 +117,9 @@ class _ProgressPump:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.console.handle(self.queue.get(timeout=0.5))
+                event = self.queue.get(timeout=0.5)
+                self.last_alive = time.monotonic()
+                self.console.handle(event)
             except queue_module.Empty:
                 continue
             except ray.exceptions.RayError:
@@ -165,7 +181,7 @@ def make_trainer(
     num_workers = (
         (workers.min_workers, workers.max_workers) if workers.is_elastic else workers.min_workers
     )
-    return TorchTrainer(
+    return AppTorchTrainer(
         train_loop_per_worker,
         train_loop_config={**train_config.to_dict(), **(extra_worker_config or {})},
         datasets=datasets,
@@ -187,7 +203,7 @@ def make_trainer(
             ),
             failure_config=ray.train.FailureConfig(max_failures=fault_tolerance.max_failures),
             logging_config=ray.train.LoggingConfig(log_level="INFO" if verbose else "WARNING"),
-            callbacks=list(callbacks),
+            callbacks=[*callbacks, PlacementGroupReaper()],
         ),
     )
 
@@ -230,9 +246,15 @@ def _summarise(result: ray.train.Result) -> RunSummary:
     best_checkpoint, best_metrics = max(
         result.best_checkpoints, key=lambda pair: pair[1]["checkpoint_score"]
     )
-    metrics_uri, curves_uri = results.write(
-        run_uri, history, title=f"{run_uri.rstrip('/').rsplit('/', 1)[-1]}"
-    )
+    try:
+        metrics_uri, curves_uri = results.write(
+            run_uri, history, title=f"{run_uri.rstrip('/').rsplit('/', 1)[-1]}"
+        )
+    except OSError as error:
+        raise RunFailed(
+            f"cannot write the results under {run_uri} ({error}); the checkpoints are there",
+            explained=True,
+        ) from None
     return RunSummary(
         run_uri=run_uri,
         history=history,
@@ -281,10 +303,12 @@ def launch(
         )
         watch = ClusterWatch(workers, fault_tolerance.placement_timeout_s)
         try:
-            result = _fit_interruptibly(trainer, watch.check)
+            result = _fit_interruptibly(trainer, lambda: watch.check(pump.last_alive))
         except ray.train.TrainingFailedError as error:
-            user_error = _user_error_in(error)
-            if user_error is not None:
-                raise UserError(str(user_error)) from None
+            cause = not_retryable_cause(error)
+            if isinstance(cause, UserError):
+                raise UserError(str(cause)) from None
+            if cause is not None:
+                raise RunFailed(str(cause), explained=True) from None
             raise RunFailed(str(error).splitlines()[-1] or type(error).__name__) from error
     return _summarise(result)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from app.batching import TrainBatch, TrainData
 from app.checkpoint import TrainingState
-from app.config import TrainConfig
+from app.config import TrainConfig, TrainingDiverged
 
 
 @dataclass(frozen=True)
@@ -148,8 +149,36 @@ class Trainer:
                 # global batch, however it was split: world-size-invariant gradients.
                 (micro_loss * (self.world_size / batch.global_size)).backward()
             loss_sum += micro_loss.detach()
+        self._check_finite_gradient()
         self.optimizer.step()
         return loss_sum
+
+    def _check_finite_gradient(self) -> None:
+        """Stop before a NaN or infinite gradient reaches the weights.
+
+        The gradients are all-reduced, so they are the same on every rank and every rank stops
+        at the same step (a NaN loss on any rank makes the summed gradient NaN). One host sync
+        per step: the price of never stepping, nor checkpointing, a diverged model.
+        """
+        gradients = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not gradients:
+            return
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gradients)))
+        if not torch.isfinite(norm):
+            self._diverged("the loss or its gradient became NaN or infinite", self.state.step + 1)
+
+    def _diverged(self, what: str, step: int) -> None:
+        raise TrainingDiverged(
+            f"training diverged at step {step} (epoch {self.state.epoch + 1}): "
+            f"{what}; lower the learning rate (it is {self.config.optim.lr:g}) and rerun "
+            "under a new --name (the checkpoints of this run are kept)"
+        )
+
+    def _check_finite_weights(self) -> None:
+        # The same on every rank (DDP keeps the weights equal), so every rank raises together.
+        for parameter in unwrap(self.model).parameters():
+            if not torch.isfinite(parameter).all():
+                self._diverged("the weights became NaN or infinite", self.state.step)
 
     def run_epoch(self, after_step: Callable[[], None] | None = None) -> EpochResult:
         """Train the rest of the current epoch; ``after_step`` runs after every step (on every
@@ -174,6 +203,8 @@ class Trainer:
                 started = time.perf_counter()
         self._seconds += time.perf_counter() - started
         (loss_sum,) = _all_reduce_sum([self._loss_total.item()], self.device)
+        if not math.isfinite(loss_sum):  # summed over ranks: every rank sees the same
+            self._diverged("the epoch's training loss is NaN or infinite", self.state.step)
         result = EpochResult(
             train_loss=loss_sum / max(self.state.epoch_samples, 1),
             num_samples=self.state.epoch_samples,
@@ -215,7 +246,9 @@ class Trainer:
         """The state to checkpoint, at an epoch end or mid-epoch (from ``after_step``).
 
         A collective: every rank's RNG state is gathered, and mid-epoch the loss so far is summed.
+        Raises TrainingDiverged rather than return weights that are not finite.
         """
+        self._check_finite_weights()
         if self.state.epoch_step > 0:
             (self.state.epoch_loss_sum,) = _all_reduce_sum([self._loss_total.item()], self.device)
             self.state.epoch_seconds = self._seconds

@@ -151,7 +151,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     if args.train_files < 1 or args.val_files < 1:
         raise UserError("--train-files and --val-files must be >= 1")
     raw = data.load_raw(DataConfig(dataset=args.dataset, data_dir=args.data_dir))
-    output = storage_uri(args.output)
+    output = storage_uri(args.output, "--output")
     manifest, written = prepare(raw, output, {"train": args.train_files, "val": args.val_files})
     splits = manifest["splits"]
     summary = (

@@ -24,6 +24,7 @@ from app.config import (
     TrainConfig,
     UserError,
     WorkersConfig,
+    check_name,
     parse_worker_range,
 )
 from app.console import Console
@@ -149,13 +150,15 @@ def _resolve_data(
 ) -> tuple[DataConfig, Manifest | None]:
     """The data set to train on; falls back to the bundled digits only if none was asked for."""
     from app import data
+    from app.batching import check_batch_fits
 
     if args.parquet is not None:
         from app import parquet
 
         if args.dataset is not None:
             raise UserError("--dataset and --parquet both name a data set: give one of them")
-        manifest = parquet.open_manifest(storage_uri(args.parquet))
+        manifest = parquet.open_manifest(storage_uri(args.parquet, "--parquet"))
+        check_batch_fits(args.global_batch_size, manifest.num_train, manifest.dataset)
         config = DataConfig(dataset=manifest.dataset, parquet=manifest.uri,
                             stream=args.stream_data)
         return config, manifest
@@ -173,7 +176,8 @@ def _resolve_data(
             config = DataConfig(dataset="digits", data_dir=args.data_dir)
     if embedded:
         # Workers read the same folder: a missing or corrupt file is reported now, by name.
-        data.load(config)
+        loaded = data.load(config)
+        check_batch_fits(args.global_batch_size, len(loaded.train), config.dataset)
     return config, None
 
 
@@ -186,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:
+    if args.name is not None:
+        check_name(args.name)
     min_workers, max_workers = parse_worker_range(args.num_workers)
     workers = WorkersConfig(
         min_workers=min_workers, max_workers=max_workers, use_gpu=args.use_gpu,
@@ -227,8 +233,6 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     )
     config = TrainConfig(data=data, optim=optim, loop=loop, checkpoint=checkpoints)
 
-    import ray
-
     cluster.connect(args.address, verbose=args.verbose)
     try:
         # An embedded cluster never grows, so there is nothing to wait for.
@@ -242,10 +246,14 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     except launcher.RunFailed as error:
         if args.verbose:
             raise
-        print(f"error: training failed: {error} (rerun with --verbose for details)", file=sys.stderr)
+        if error.explained:
+            print(f"error: {error}", file=sys.stderr)
+        else:
+            print(f"error: training failed: {error} (rerun with --verbose for details)",
+                  file=sys.stderr)
         return 1
     finally:
-        ray.shutdown()
+        cluster.disconnect()
     console.line()
     console.line(
         f"Best validation accuracy {100 * summary.best_accuracy:.2f}% at epoch "

@@ -28,6 +28,7 @@ from app.config import (
     TrainConfig,
     UserError,
     WorkersConfig,
+    check_name,
 )
 from app.console import Console
 
@@ -260,7 +261,6 @@ def report(sweep_uri: str, result_grid, target_accuracy: float, console: Console
 
 
 def _run(args, console: Console) -> int:
-    import ray
     from ray import tune
 
     from app import cluster, launcher, results
@@ -275,7 +275,8 @@ def _run(args, console: Console) -> int:
     if (args.resume or args.show) and not args.name:
         raise UserError("--resume and --show need the --name of the sweep")
     storage = storage_uri(args.storage_path)
-    name = args.name or f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = check_name(args.name, "sweep name") if args.name else \
+        f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
     sweep_uri = f"{storage.rstrip('/')}/{name}"
     launcher.check_storage(storage)
 
@@ -344,7 +345,7 @@ def _run(args, console: Console) -> int:
                   f"{sweep_uri}", file=sys.stderr, flush=True)
             return 1
     finally:
-        ray.shutdown()
+        cluster.disconnect()
     return 0
 
 

@@ -6,18 +6,21 @@ is derived here, every time the worker group (re)starts; the checkpoint holds no
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
+import threading
 import time
 from typing import Any
 
+import pyarrow.fs
 import ray
 import ray.train
 import ray.train.torch
 import torch
 
-from app import checkpoint, data
+from app import batching, checkpoint, data
 from app.batching import InMemoryData, TrainData
-from app.config import TrainConfig
+from app.config import StorageFailure, TrainConfig
 from app.loop import Trainer, parameter_checksum
 from app.model import ConvNet
 
@@ -37,16 +40,83 @@ def _send(progress, event: dict[str, Any]) -> None:
         pass
 
 
+HEARTBEAT_S = 2.0
+"""How often rank 0 tells the driver it is alive; the driver's watchdog ends a run whose workers
+have been silent for its placement timeout."""
+
+
+@contextlib.contextmanager
+def _heartbeat(progress):
+    """Sends a heartbeat every HEARTBEAT_S while the block runs.
+
+    From a thread, so a long validation or checkpoint upload is not mistaken for a hang."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(HEARTBEAT_S):
+            _send(progress, {"event": "heartbeat"})
+
+    thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+
+
 def _owned_cpus() -> int:
     return max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
 
 
-def _restore() -> checkpoint.TrainingState | None:
+def _load(candidate: ray.train.Checkpoint) -> checkpoint.TrainingState:
+    try:
+        with candidate.as_directory() as directory:
+            return checkpoint.load(directory)
+    except OSError as error:  # a download from remote storage that failed
+        raise checkpoint.UnreadableCheckpoint(str(error)) from None
+
+
+def _older_checkpoints(latest: ray.train.Checkpoint) -> list[ray.train.Checkpoint]:
+    """The run's other checkpoint folders, newest first (Ray keeps the best K and the latest)."""
+    parent, _, latest_name = latest.path.rstrip("/").rpartition("/")
+    found = latest.filesystem.get_file_info(pyarrow.fs.FileSelector(parent))
+    names = [info.base_name for info in found if info.type == pyarrow.fs.FileType.Directory]
+    latest_order = checkpoint.age_order(latest_name)
+    older = sorted(
+        (name for name in names
+         if checkpoint.age_order(name) is not None and latest_order is not None
+         and checkpoint.age_order(name) < latest_order),
+        key=checkpoint.age_order, reverse=True,
+    )
+    return [ray.train.Checkpoint(f"{parent}/{name}", filesystem=latest.filesystem)
+            for name in older]
+
+
+def _restore(progress, rank: int) -> checkpoint.TrainingState | None:
+    """The latest checkpoint's state; if it cannot be read, the newest older one that can.
+
+    A corrupt latest checkpoint (a truncated file, a missing part) would otherwise fail every
+    restart the same way until the retries run out.
+    """
     latest = ray.train.get_checkpoint()
     if latest is None:
         return None
-    with latest.as_directory() as directory:
-        return checkpoint.load(directory)
+    try:
+        return _load(latest)
+    except checkpoint.UnreadableCheckpoint as error:
+        problem = f"the latest checkpoint {latest.path} cannot be read ({error})"
+    for candidate in _older_checkpoints(latest):
+        try:
+            state = _load(candidate)
+        except checkpoint.UnreadableCheckpoint:
+            continue
+        if rank == 0:
+            _send(progress, {"event": "warning",
+                             "message": f"{problem}: resuming from {candidate.path} instead."})
+        return state
+    raise StorageFailure(
+        f"{problem} and no earlier checkpoint of the run can be: start again under a new --name"
+    )
 
 
 def _train_data(config: TrainConfig, worker_config: dict[str, Any], rank: int,
@@ -68,15 +138,21 @@ def _train_data(config: TrainConfig, worker_config: dict[str, Any], rank: int,
 
 
 def train_loop_per_worker(worker_config: dict[str, Any]) -> None:
-    config = TrainConfig.from_dict(worker_config)
     progress = worker_config.get(PROGRESS_KEY)
+    rank = ray.train.get_context().get_world_rank()
+    with _heartbeat(progress) if rank == 0 else contextlib.nullcontext():
+        _train(TrainConfig.from_dict(worker_config), worker_config, progress)
+
+
+def _train(config: TrainConfig, worker_config: dict[str, Any], progress) -> None:
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     # More threads than owned CPUs makes workers on one machine fight over cores.
     torch.set_num_threads(_owned_cpus())
 
     dataset_name, train_data = _train_data(config, worker_config, rank, world_size)
-    state = _restore()
+    batching.check_batch_fits(config.loop.global_batch_size, train_data.num_train, dataset_name)
+    state = _restore(progress, rank)
     torch.manual_seed(config.loop.seed)  # identical initial weights on every rank
     model = ray.train.torch.prepare_model(ConvNet())
     device = ray.train.torch.get_device()
@@ -142,13 +218,17 @@ class _Reporter:
         if self.rank != 0:
             ray.train.report(metrics)
             return
-        with tempfile.TemporaryDirectory() as directory:
-            checkpoint.save(state, directory)
-            ray.train.report(
-                metrics,
-                checkpoint=ray.train.Checkpoint.from_directory(directory),
-                checkpoint_dir_name=checkpoint_dir_name,
-            )
+        try:
+            with tempfile.TemporaryDirectory() as directory:
+                checkpoint.save(state, directory)
+                ray.train.report(
+                    metrics,
+                    checkpoint=ray.train.Checkpoint.from_directory(directory),
+                    checkpoint_dir_name=checkpoint_dir_name,
+                )
+        except OSError as error:  # disk full, no permission: a restart would fail the same way
+            raise StorageFailure(f"cannot write the checkpoint {checkpoint_dir_name}: {error}") \
+                from None
         _send(self.progress, {"event": metrics["kind"], **metrics})
 
     def report_epoch(self, result, evaluation, model) -> None:

@@ -1,0 +1,60 @@
+"""Which failures Ray Train retries for this app: its failure policy, and finding the cause.
+
+Ray Train's default policy retries every worker-group error up to ``max_failures`` (also a
+``UserError`` or a diverged loss, which a restart cannot fix) and ends the run at once when a
+worker dies while the group is being (re)started, since that reaches it as an unexpected
+controller error. Both are wrong for a run that is meant to survive worker deaths: this policy
+ends the run on errors no restart can fix, and counts a death during a restart as one more
+worker failure.
+"""
+
+from __future__ import annotations
+
+from ray.exceptions import RayActorError
+from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy
+from ray.train.v2._internal.execution.failure_handling.failure_policy import FailureDecision
+from ray.train.v2.api.exceptions import ControllerError, TrainingFailedError, WorkerGroupError
+
+from app.config import NOT_RETRYABLE
+
+
+def find_cause(error: BaseException | None, types: tuple[type, ...]) -> BaseException | None:
+    """The first exception of ``types`` in ``error``'s chain (Ray wraps a worker's exception in
+    its own types; ``cause`` and ``__cause__`` lead back to it)."""
+    seen = 0
+    while error is not None and seen < 20:
+        if isinstance(error, types):
+            return error
+        error = getattr(error, "cause", None) or error.__cause__ or error.__context__
+        seen += 1
+    return None
+
+
+def not_retryable_cause(error: BaseException) -> BaseException | None:
+    """The error a worker raised that no restart can fix, if that is what failed the run."""
+    failures = getattr(error, "worker_failures", {}) or {}
+    for failure in failures.values():
+        cause = find_cause(failure, NOT_RETRYABLE)
+        if cause is not None:
+            return cause
+    return None
+
+
+class AppFailurePolicy(DefaultFailurePolicy):
+    """Ray Train's policy, except: errors in ``NOT_RETRYABLE`` end the run; a worker that dies
+    while the group starts is a worker-group failure (retried within ``max_failures``)."""
+
+    def make_decision(self, training_failed_error: TrainingFailedError) -> FailureDecision:
+        if isinstance(training_failed_error, WorkerGroupError) and not_retryable_cause(
+            training_failed_error
+        ):
+            return FailureDecision.RAISE
+        if isinstance(training_failed_error, ControllerError) and find_cause(
+            training_failed_error.controller_failure, (RayActorError,)
+        ):
+            self._worker_group_failures += 1
+            limit = self.failure_config.max_failures
+            if limit != -1 and self._worker_group_failures > limit:
+                return FailureDecision.RAISE
+            return FailureDecision.RETRY
+        return super().make_decision(training_failed_error)
