@@ -167,6 +167,30 @@ def _fit_interruptibly(trainer: TorchTrainer, watch: Callable[[], None]) -> ray.
     return outcome["result"]
 
 
+def fit_watched(
+    build: Callable[[Queue], TorchTrainer], workers: WorkersConfig, placement_timeout_s: float,
+    console: Console,
+) -> ray.train.Result:
+    """Fit the trainer ``build`` makes (given the progress queue for its workers), printing
+    progress on ``console`` and ending the run when ``ClusterWatch`` says it cannot go on.
+
+    Raises UserError for the user's mistakes (also a worker's) and a watchdog's verdict, and
+    RunFailed when training fails after its retries.
+    """
+    with _ProgressPump(console) as pump:
+        trainer = build(pump.queue)
+        watch = ClusterWatch(workers, placement_timeout_s)
+        try:
+            return _fit_interruptibly(trainer, lambda: watch.check(pump.last_alive))
+        except ray.train.TrainingFailedError as error:
+            cause = not_retryable_cause(error)
+            if isinstance(cause, UserError):
+                raise UserError(str(cause)) from None
+            if cause is not None:
+                raise RunFailed(str(cause), explained=True) from None
+            raise RunFailed(str(error).splitlines()[-1] or type(error).__name__) from error
+
+
 def make_trainer(
     train_config: TrainConfig,
     workers: WorkersConfig,
@@ -177,7 +201,10 @@ def make_trainer(
     callbacks: Sequence[ray.train.UserCallback] = (),
     extra_worker_config: dict[str, Any] | None = None,
     datasets: dict[str, ray.data.Dataset] | None = None,
+    guard_placement_groups: bool = False,
 ) -> TorchTrainer:
+    """``guard_placement_groups``: the controller may be killed before it ends its run (inside
+    a Ray Tune trial); see ``app.placement``."""
     num_workers = (
         (workers.min_workers, workers.max_workers) if workers.is_elastic else workers.min_workers
     )
@@ -203,7 +230,7 @@ def make_trainer(
             ),
             failure_config=ray.train.FailureConfig(max_failures=fault_tolerance.max_failures),
             logging_config=ray.train.LoggingConfig(log_level="INFO" if verbose else "WARNING"),
-            callbacks=[*callbacks, PlacementGroupReaper()],
+            callbacks=[*callbacks, PlacementGroupReaper(guard=guard_placement_groups)],
         ),
     )
 
@@ -295,20 +322,12 @@ def launch(
     if run_exists(run):
         console.line(f"Run {run.name!r} exists in {run.storage_path}: resuming it.")
     datasets, extras = data_inputs(train_config, workers, manifest, console, verbose)
-    with _ProgressPump(console) as pump:
-        trainer = make_trainer(
+    result = fit_watched(
+        lambda progress: make_trainer(
             train_config, workers, run, fault_tolerance=fault_tolerance, verbose=verbose,
-            callbacks=callbacks, extra_worker_config={PROGRESS_KEY: pump.queue, **extras},
+            callbacks=callbacks, extra_worker_config={PROGRESS_KEY: progress, **extras},
             datasets=datasets,
-        )
-        watch = ClusterWatch(workers, fault_tolerance.placement_timeout_s)
-        try:
-            result = _fit_interruptibly(trainer, lambda: watch.check(pump.last_alive))
-        except ray.train.TrainingFailedError as error:
-            cause = not_retryable_cause(error)
-            if isinstance(cause, UserError):
-                raise UserError(str(cause)) from None
-            if cause is not None:
-                raise RunFailed(str(cause), explained=True) from None
-            raise RunFailed(str(error).splitlines()[-1] or type(error).__name__) from error
+        ),
+        workers, fault_tolerance.placement_timeout_s, console,
+    )
     return _summarise(result)

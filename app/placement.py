@@ -7,11 +7,19 @@ blocks every later worker group that needs those resources, and the run (or the 
 waits forever. ``PlacementGroupReaper`` runs inside Ray Train's controller and removes every
 placement group an earlier worker group of the same run held, before the next group starts and
 when the run ends. A controller runs one worker group at a time, so no live group is touched.
+
+Inside a Ray Tune trial the controller can also die before it ends its run: Tune kills a trial
+the moment its scheduler stops it, and the controller (owned by the trial) goes with it. Its
+placement group belongs to the sweep's job and outlives it; Ray Train's own cleaner would remove
+it but needs the dashboard's state API, which the embedded cluster does not start. With
+``guard=True`` the reaper starts a small detached actor that removes the groups once the
+controller is gone.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 
 import ray
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
@@ -25,38 +33,99 @@ def _is_reserved(group: PlacementGroup) -> bool:
     return state not in (None, "REMOVED")
 
 
+def _remove_reserved(groups: list[PlacementGroup]) -> int:
+    released = 0
+    for group in groups:
+        try:
+            if _is_reserved(group):
+                remove_placement_group(group)
+                released += 1
+                logger.warning("Released placement group %s of a finished worker group "
+                               "(ray-project/ray#54305).", group.id.hex())
+        except Exception:  # noqa: BLE001 - best effort: Ray may have removed it meanwhile
+            logger.debug("Could not release placement group %s", group.id.hex(), exc_info=True)
+    return released
+
+
+class _Guard:
+    """Detached: removes the watched placement groups once the controller has died."""
+
+    def __init__(self, controller, poll_s: float = 1.0):
+        self._controller = controller
+        self._groups: dict[str, PlacementGroup] = {}
+        self._stop = threading.Event()
+        threading.Thread(target=self._watch, args=(poll_s,), daemon=True).start()
+
+    def watch(self, group: PlacementGroup) -> None:
+        self._groups[group.id.hex()] = group
+
+    def forget(self, group_ids: list[str]) -> None:
+        for group_id in group_ids:
+            self._groups.pop(group_id, None)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self, poll_s: float) -> None:
+        while not self._stop.wait(poll_s):
+            try:
+                ray.get(self._controller.__ray_ready__.remote(), timeout=30)
+            except ray.exceptions.RayActorError:
+                _remove_reserved(list(self._groups.values()))
+                break
+            except Exception:  # noqa: BLE001 - busy or slow is not dead
+                continue
+        # Detached: nothing else ends it.
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+
 class PlacementGroupReaper(WorkerGroupCallback, ControllerCallback):
     """Removes the placement groups of this run's earlier worker groups (see the module)."""
 
-    def __init__(self):
+    def __init__(self, guard: bool = False):
         self._groups: list[PlacementGroup] = []
+        self._use_guard = guard
+        self._guard = None
+
+    def after_controller_start(self, train_run_context) -> None:
+        if not self._use_guard:
+            return
+        try:
+            # DEFAULT: not inside the Tune trial's placement group, which Tune removes (and every
+            # actor in it) when the trial ends.
+            self._guard = ray.remote(num_cpus=0)(_Guard).options(
+                lifetime="detached", scheduling_strategy="DEFAULT"
+            ).remote(ray.get_runtime_context().current_actor)
+        except Exception:  # noqa: BLE001 - without it, only an ungraceful end can leak
+            logger.warning("Could not start the placement group guard", exc_info=True)
 
     def after_worker_group_start(self, worker_group) -> None:
         handle = worker_group.get_worker_group_state().placement_group_handle
         self._groups.append(handle.placement_group)
+        if self._guard is not None:
+            self._guard.watch.remote(handle.placement_group)
 
     def before_worker_group_start(self, worker_group_context) -> None:
         self.release()
 
     def after_controller_finish(self, result) -> None:
         self.release()
+        self._stop_guard()
 
     def before_controller_abort(self) -> None:
         self.release()
+        self._stop_guard()
+
+    def _stop_guard(self) -> None:
+        if self._guard is not None:
+            self._guard.stop.remote()
+            self._guard = None
 
     def release(self) -> int:
         """Removes every recorded placement group still reserved; returns how many."""
-        released = 0
-        for group in self._groups:
-            try:
-                if _is_reserved(group):
-                    remove_placement_group(group)
-                    released += 1
-                    logger.warning("Released placement group %s of a finished worker group "
-                                   "(ray-project/ray#54305).", group.id.hex())
-            except Exception:  # noqa: BLE001 - best effort: Ray may have removed it meanwhile
-                logger.debug("Could not release placement group %s", group.id.hex(),
-                             exc_info=True)
+        released = _remove_reserved(self._groups)
+        if self._guard is not None:
+            self._guard.forget.remote([group.id.hex() for group in self._groups])
         self._groups.clear()
         return released
 

@@ -17,6 +17,9 @@ class TrialRecord:
     epochs: list[dict[str, Any]] = field(default_factory=list)
     """Per-epoch metrics as reported to Tune (val_accuracy, samples_per_second, time_total_s)."""
     planned_epochs: int = 0
+    outcome: str = ""
+    """What happened to the trial, as the table says it ("completed", "stopped early by ASHA",
+    "failed: <reason>", "not started", "interrupted"); derived from the epochs when empty."""
 
     @property
     def best(self) -> dict[str, Any] | None:
@@ -34,8 +37,10 @@ class TrialRecord:
         return statistics.median(steady) if steady else 0.0
 
     @property
-    def stopped_early(self) -> bool:
-        return len(self.epochs) < self.planned_epochs
+    def status(self) -> str:
+        if self.outcome:
+            return self.outcome
+        return "stopped early" if len(self.epochs) < self.planned_epochs else "completed"
 
     def time_to(self, accuracy: float) -> float | None:
         """Seconds of the trial until validation accuracy first reached ``accuracy``."""
@@ -56,7 +61,7 @@ def trial_table(trials: list[TrialRecord]) -> str:
     ]
     for position, trial in enumerate(ranked(trials), start=1):
         best = trial.best
-        status = "stopped early" if trial.stopped_early else "completed"
+        status = trial.status
         to_best = f"{best['time_total_s']:.1f} s" if best else "-"
         lines.append(
             f"{position:>4}  {trial.trial_id:<12} {trial.lr:>9.4g} {trial.world_size:>7} "

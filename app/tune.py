@@ -9,6 +9,7 @@ it with measured numbers.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
@@ -58,23 +59,33 @@ def run_trial(config: dict[str, Any]) -> None:
     """One trial: a whole distributed training run with the trial's world size and config."""
     import ray.tune
 
-    from app.launcher import make_trainer
+    from app.launcher import fit_watched, make_trainer
+    from app.worker import PROGRESS_KEY
 
     trial_id = ray.tune.get_context().get_trial_id()
     workers = WorkersConfig(
         min_workers=config["num_workers"], max_workers=config["num_workers"],
         use_gpu=config["use_gpu"], cpus_per_worker=config["cpus_per_worker"],
     )
-    trainer = make_trainer(
-        TrainConfig.from_dict(config["train"]),
-        workers,
-        # Named from the trial id: a resumed sweep resumes each trial's own training run.
-        RunConfig(name=f"trial-{trial_id}", storage_path=config["train_storage"]),
-        fault_tolerance=FaultToleranceConfig(max_failures=config["max_failures"]),
-        verbose=False,
-        callbacks=[_epoch_reports_to_tune()],
+    fault_tolerance = FaultToleranceConfig(
+        max_failures=config["max_failures"], placement_timeout_s=config["placement_timeout_s"]
     )
-    trainer.fit()
+    # The same watchdog as a single run: a trial whose workers cannot be placed fails with the
+    # reason (Tune records it) instead of waiting forever.
+    fit_watched(
+        lambda progress: make_trainer(
+            TrainConfig.from_dict(config["train"]),
+            workers,
+            # Named from the trial id: a resumed sweep resumes each trial's own training run.
+            RunConfig(name=f"trial-{trial_id}", storage_path=config["train_storage"]),
+            fault_tolerance=fault_tolerance,
+            verbose=False,
+            callbacks=[_epoch_reports_to_tune()],
+            extra_worker_config={PROGRESS_KEY: progress},
+            guard_placement_groups=True,
+        ),
+        workers, fault_tolerance.placement_timeout_s, Console(io.StringIO()),
+    )
 
 
 # --- the sweep --------------------------------------------------------------------------------
@@ -146,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--use-gpu", action="store_true", help="one GPU per worker")
     training.add_argument("--cpus-per-worker", type=int, default=1, help="CPUs per worker")
     training.add_argument(
+        "--placement-timeout", type=float, default=FaultToleranceConfig().placement_timeout_s,
+        metavar="SECONDS",
+        help="a trial whose workers cannot be placed (or have not run) for this long fails, "
+        "saying why, and the sweep goes on",
+    )
+    training.add_argument(
         "--address", default=os.environ.get("RAY_ADDRESS"),
         help="Ray cluster to join [default: RAY_ADDRESS if set, else an embedded cluster]",
     )
@@ -181,19 +198,62 @@ def _param_space(args, train_storage: str) -> dict[str, Any]:
         "cpus_per_worker": args.cpus_per_worker,
         "train_storage": train_storage,
         "max_failures": 1,
+        "placement_timeout_s": args.placement_timeout,
     }
 
 
-def _default_concurrency(args) -> int:
+def _default_concurrency(args, requested: int | None) -> int:
+    """``requested``, or as many trials as the cluster can give the largest world size at once;
+    a world size the cluster can never host is refused either way."""
     from app import cluster
 
     largest = WorkersConfig(
         min_workers=max(args.world_sizes), max_workers=max(args.world_sizes),
         use_gpu=args.use_gpu, cpus_per_worker=args.cpus_per_worker,
     )
-    cluster.check_capacity(largest)  # a world size the cluster can never host: refused now
+    cluster.check_capacity(largest)
+    if requested is not None:
+        if requested < 1:
+            raise UserError(f"--max-concurrent-trials must be >= 1, got {requested}")
+        return requested
     fits = cluster.workers_that_fit(cluster.live_node_resources(), largest)
     return max(1, fits // max(args.world_sizes))
+
+
+SWEEP_FLAGS = (
+    "lr_range", "lr", "num_workers", "global_batch_size", "num_samples", "scheduler",
+    "target_accuracy", "epochs", "dataset", "data_dir", "seed", "use_gpu", "cpus_per_worker",
+)
+"""The flags (argparse names) that define a sweep: a --resume must not change them."""
+
+
+def _check_same_flags(recorded: dict[str, Any], given: dict[str, Any]) -> None:
+    changed = [
+        f"--{flag.replace('_', '-')} {given[flag]!r} (the sweep has {recorded.get(flag)!r})"
+        for flag in SWEEP_FLAGS if flag in given and given[flag] != recorded.get(flag)
+    ]
+    if changed:
+        raise UserError(
+            "--resume continues the sweep as it was planned; these flags differ: "
+            + "; ".join(changed) + ". Drop them, or start a new sweep under another --name"
+        )
+
+
+def _check_inputs(args, embedded: bool) -> None:
+    """What app.train checks, for every trial at once, before any trial starts."""
+    batches = _parse_list(args.global_batch_size, int, "--global-batch-size")
+    if min(batches) < max(args.world_sizes):
+        raise UserError(
+            f"--global-batch-size {min(batches)} is smaller than the {max(args.world_sizes)} "
+            "workers of the largest world size: each worker needs a sample per step"
+        )
+    if embedded and not args.show:
+        from app import data
+        from app.batching import check_batch_fits
+
+        # Workers read the same folder: a missing or corrupt file is reported now, by name.
+        loaded = data.load(DataConfig(dataset=args.dataset, data_dir=args.data_dir))
+        check_batch_fits(max(batches), len(loaded.train), args.dataset)
 
 
 def _trainable():
@@ -204,11 +264,30 @@ def _trainable():
     return tune.with_resources(run_trial, {"CPU": 0, "memory": 256 * 1024**2})
 
 
+def _outcome(result, status: str | None, num_epochs: int, planned: int) -> str:
+    """What really happened to a trial, from Tune's status and the trial's error."""
+    if result.error is not None:
+        from app.failures import find_cause
+
+        cause = find_cause(result.error, (UserError,))
+        text = str(cause) if cause is not None else str(result.error)
+        reason = [line for line in text.strip().splitlines() if line.strip()]
+        return f"failed: {reason[-1].strip() if reason else type(result.error).__name__}"
+    if status == "PENDING" or (status is None and num_epochs == 0):
+        return "not started"
+    if status in ("RUNNING", "PAUSED"):
+        return "interrupted"
+    return "completed" if num_epochs >= planned else "stopped early by the scheduler"
+
+
 def _records(result_grid):
     from app.sweep_report import TrialRecord
 
+    # Tune's trial objects carry the status; ResultGrid lists results in the same order.
+    trials = getattr(getattr(result_grid, "_experiment_analysis", None), "trials", None)
+    statuses = [trial.status for trial in trials] if trials else [None] * len(result_grid)
     records = []
-    for result in result_grid:
+    for result, status in zip(result_grid, statuses):
         if result.config is None:
             continue
         frame = result.metrics_dataframe
@@ -225,6 +304,7 @@ def _records(result_grid):
             global_batch_size=result.config["train"]["loop"]["global_batch_size"],
             epochs=rows,
             planned_epochs=result.config["train"]["loop"]["epochs"],
+            outcome=_outcome(result, status, len(rows), result.config["train"]["loop"]["epochs"]),
         ))
     return records
 
@@ -272,6 +352,7 @@ def _run(args, console: Console) -> int:
         raise UserError(f"--num-samples must be >= 1, got {args.num_samples}")
     if not 0 < args.target_accuracy <= 1:
         raise UserError(f"--target-accuracy must be in (0, 1], got {args.target_accuracy}")
+    FaultToleranceConfig(placement_timeout_s=args.placement_timeout)  # validates it
     if (args.resume or args.show) and not args.name:
         raise UserError("--resume and --show need the --name of the sweep")
     storage = storage_uri(args.storage_path)
@@ -279,19 +360,28 @@ def _run(args, console: Console) -> int:
         f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
     sweep_uri = f"{storage.rstrip('/')}/{name}"
     launcher.check_storage(storage)
+    if not args.resume:
+        _check_inputs(args, embedded=not args.address)
 
     cluster.connect(args.address, verbose=args.verbose)
     try:
         if args.show or args.resume:
             if not tune.Tuner.can_restore(sweep_uri):
                 raise UserError(f"no sweep named {name!r} in {storage}")
+            # Before Tune unpickles the folder's experiment state: only a sweep of this app's.
+            try:
+                plan = json.loads(results.read_file(f"{sweep_uri}/{SWEEP_FILE}"))
+                recorded = plan["flags"]
+            except (OSError, ValueError, KeyError, TypeError):
+                raise UserError(
+                    f"{sweep_uri} was not made by this version of app.tune (no valid "
+                    f"{SWEEP_FILE}); refusing to load its Ray Tune state"
+                ) from None
+            if args.resume:
+                _check_same_flags(recorded, args.explicit_flags)
             tuner = tune.Tuner.restore(
                 sweep_uri, trainable=_trainable(), resume_unfinished=True, resume_errored=True
             )
-            try:
-                plan = json.loads(results.read_file(f"{sweep_uri}/{SWEEP_FILE}"))
-            except (OSError, ValueError):
-                raise UserError(f"{sweep_uri} was not made by app.tune (no {SWEEP_FILE})") from None
             if args.show:
                 report(sweep_uri, tuner.get_results(), plan["target_accuracy"], console)
                 return 0
@@ -301,13 +391,15 @@ def _run(args, console: Console) -> int:
                     f"a sweep named {name!r} exists in {storage}: add --resume to continue it, "
                     "--show to see it, or choose another --name"
                 )
-            concurrency = args.max_concurrent_trials or _default_concurrency(args)
+            concurrency = _default_concurrency(args, args.max_concurrent_trials)
             num_lrs = len(_parse_list(args.lr, float, "--lr")) if args.lr else 1
             num_batches = len(_parse_list(args.global_batch_size, int, "--global-batch-size"))
             plan = {
                 "num_trials": args.num_samples * num_lrs * num_batches * len(args.world_sizes),
                 "target_accuracy": args.target_accuracy,
-                "argv": sys.argv[1:],
+                # What defines the sweep, for a --resume to compare; never --address or
+                # --storage-path, which may carry credentials.
+                "flags": {flag: getattr(args, flag) for flag in SWEEP_FLAGS},
             }
             scheduler = (
                 tune.schedulers.ASHAScheduler(
@@ -320,6 +412,9 @@ def _run(args, console: Console) -> int:
                 tune_config=tune.TuneConfig(
                     metric="val_accuracy", mode="max", scheduler=scheduler,
                     num_samples=args.num_samples, max_concurrent_trials=concurrency,
+                    # A stopped trial's actor must go: a reused one keeps the stopped trial's
+                    # Train controller alive, holding its workers' placement group.
+                    reuse_actors=False,
                 ),
                 # verbose=1: the status table, without a box per reported result.
                 run_config=tune.RunConfig(
@@ -349,9 +444,23 @@ def _run(args, console: Console) -> int:
     return 0
 
 
+def _explicit_flags(argv: list[str] | None) -> dict[str, Any]:
+    """The flags given on the command line (not their defaults), by argparse name."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+        action.required = False
+    return vars(parser.parse_known_args(argv)[0])
+
+
 def main(argv: list[str] | None = None) -> int:
+    def run(args, console: Console) -> int:
+        # Parsed again only once the real parse succeeded (so --help is never handled twice).
+        args.explicit_flags = _explicit_flags(argv)
+        return _run(args, console)
+
     return run_main(
-        build_parser(), _run, argv,
+        build_parser(), run, argv,
         interrupted="finished trials are kept; rerun with --name NAME --resume to continue",
     )
 
