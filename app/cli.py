@@ -4,11 +4,10 @@ line on stderr."""
 from __future__ import annotations
 
 import argparse
-import re
+import os
 import signal
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 from app.config import UserError
 from app.console import Console
@@ -23,6 +22,10 @@ class Terminated(BaseException):
 
     A BaseException, as KeyboardInterrupt is, so no ``except Exception`` on the way swallows it.
     """
+
+
+RAY_NOISE = "A worker died or was killed while executing a task"
+"""Ray's driver messages that the app's console replaces with its own line."""
 
 
 def _terminate(signum, frame):
@@ -43,35 +46,6 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see --help)\n")
 
 
-STORAGE_SCHEMES = ("s3", "gs", "gcs", "hdfs", "abfs", "abfss", "file")
-"""URI schemes of the filesystems pyarrow (and so Ray Train) writes to."""
-_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(//)?(.*)$", re.DOTALL)
-
-
-def storage_uri(path: str, flag: str = "--storage-path") -> str:
-    """A URI as given; a local path made absolute (Ray needs absolute storage paths).
-
-    Refuses what would silently land somewhere else: ``s3:/bucket`` (one slash) would be a
-    local folder named ``s3:``, and an unknown scheme a local folder too.
-    """
-    if not path.strip():
-        raise UserError(f"{flag} must not be empty")
-    match = _SCHEME.match(path)
-    if match is None:
-        return str(Path(path).expanduser().resolve())
-    scheme, slashes, rest = match.groups()
-    if scheme.lower() not in STORAGE_SCHEMES:
-        raise UserError(
-            f"{flag} {path!r}: unknown scheme {scheme + ':'!r}; use a local folder or one of "
-            + ", ".join(f"{known}://" for known in STORAGE_SCHEMES)
-        )
-    if not slashes:
-        raise UserError(f"{flag} {path!r} is not a URI: write it as {scheme}://{rest.lstrip('/')}")
-    if not rest.strip("/") and scheme.lower() != "file":
-        raise UserError(f"{flag} {path!r} names no bucket: write it as {scheme}://BUCKET/PREFIX")
-    return path
-
-
 def run_main(
     parser: argparse.ArgumentParser,
     run: Callable[[argparse.Namespace, Console], int],
@@ -82,6 +56,11 @@ def run_main(
     SIGTERM to exit 143 (each with one line saying what was kept)."""
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
+    if not getattr(args, "verbose", False):
+        # Ray prints its own paragraph when a worker dies (through its error channel, which
+        # log_to_driver does not silence); the console says it in one line instead. Read by Ray
+        # when it is first imported, which is after this.
+        os.environ.setdefault("RAY_DEDUP_LOGS_SKIP_REGEX", RAY_NOISE)
     try:
         return run(args, Console())
     except UserError as error:

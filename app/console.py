@@ -78,6 +78,10 @@ class Console:
             self.start(event)
         elif event["event"] == "epoch":
             self.epoch(event)
+        elif event["event"] == "failure":
+            lost = "; ".join(f"rank {rank}: {why}" for rank, why in event["workers"].items())
+            then = "" if event["fatal"] else ": restarting from the latest checkpoint"
+            self.line(f"Lost {len(event['workers'])} worker(s) ({lost}){then}.")
         elif event["event"] == "warning":
             self.line(f"warning: {event['message']}")
         elif event["event"] == "partial" and event["reason"] == "preemption":

@@ -10,6 +10,7 @@ worker failure.
 
 from __future__ import annotations
 
+import ray.train
 from ray.exceptions import RayActorError
 from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy
 from ray.train.v2._internal.execution.failure_handling.failure_policy import FailureDecision
@@ -58,3 +59,40 @@ class AppFailurePolicy(DefaultFailurePolicy):
                 return FailureDecision.RAISE
             return FailureDecision.RETRY
         return super().make_decision(training_failed_error)
+
+
+def describe_failure(error: BaseException) -> str:
+    """A worker's failure in a few words, for the console."""
+    # Ray Train wraps a dead worker's error in a failed health check.
+    error = getattr(error, "health_check_failure", None) or error
+    if find_cause(error, (RayActorError,)):
+        text = str(error).lower()
+        if "node" in text and "worker process" not in text:
+            return "its node left the cluster"
+        return "its process died"
+    cause = find_cause(error, NOT_RETRYABLE) or error
+    first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+    return f"{type(cause).__name__}: {first}"[:200]
+
+
+class FailureReporter(ray.train.UserCallback):
+    """Tells the driver's console, in the app's voice, which workers failed and why (Ray's own
+    paragraph about a dead worker is filtered from the console; see ``cli.run_main``)."""
+
+    def __init__(self, progress):
+        self.progress = progress
+
+    def after_exception(self, run_context, worker_exceptions) -> None:
+        if not worker_exceptions:
+            return
+        fatal = any(find_cause(error, NOT_RETRYABLE) for error in worker_exceptions.values())
+        event = {
+            "event": "failure",
+            "workers": {int(rank): describe_failure(error)
+                        for rank, error in sorted(worker_exceptions.items())},
+            "fatal": fatal,
+        }
+        try:
+            self.progress.put(event, timeout=5)
+        except Exception:  # noqa: BLE001 - the console is best effort; training goes on
+            pass

@@ -21,8 +21,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from app import checkpoint, cluster, parquet, results
 from app.cluster import ClusterWatch
-from app.failures import AppFailurePolicy, not_retryable_cause
+from app.failures import AppFailurePolicy, FailureReporter, not_retryable_cause
 from app.placement import PlacementGroupReaper
+from app.storage import run_exists
 from app.config import (
     FaultToleranceConfig,
     RunConfig,
@@ -59,27 +60,6 @@ class RunSummary:
     latest_checkpoint: str
     metrics_uri: str
     curves_uri: str
-
-
-def check_storage(storage_path: str) -> None:
-    """Fail now, with the path in the message, if checkpoints could not be written there."""
-    try:
-        filesystem, path = pyarrow.fs.FileSystem.from_uri(storage_path)
-        filesystem.create_dir(path, recursive=True)
-        probe = f"{path.rstrip('/')}/.write_probe"
-        with filesystem.open_output_stream(probe) as stream:
-            stream.write(b"ok")
-        filesystem.delete_file(probe)
-    except (OSError, pyarrow.ArrowException) as error:
-        raise UserError(f"cannot write to storage path {storage_path}: {error}") from None
-
-
-def run_exists(run: RunConfig) -> bool:
-    from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
-
-    filesystem, path = pyarrow.fs.FileSystem.from_uri(run.storage_path)
-    snapshot = f"{path.rstrip('/')}/{run.name}/{CHECKPOINT_MANAGER_SNAPSHOT_FILENAME}"
-    return filesystem.get_file_info(snapshot).type == pyarrow.fs.FileType.File
 
 
 class AppTorchTrainer(TorchTrainer):
@@ -208,6 +188,7 @@ def make_trainer(
     num_workers = (
         (workers.min_workers, workers.max_workers) if workers.is_elastic else workers.min_workers
     )
+    progress = (extra_worker_config or {}).get(PROGRESS_KEY)
     return AppTorchTrainer(
         train_loop_per_worker,
         train_loop_config={**train_config.to_dict(), **(extra_worker_config or {})},
@@ -230,7 +211,11 @@ def make_trainer(
             ),
             failure_config=ray.train.FailureConfig(max_failures=fault_tolerance.max_failures),
             logging_config=ray.train.LoggingConfig(log_level="INFO" if verbose else "WARNING"),
-            callbacks=[*callbacks, PlacementGroupReaper(guard=guard_placement_groups)],
+            callbacks=[
+                *callbacks,
+                PlacementGroupReaper(guard=guard_placement_groups),
+                *([FailureReporter(progress)] if progress is not None else []),
+            ],
         ),
     )
 

@@ -20,7 +20,8 @@ import pyarrow as pa
 import pyarrow.fs
 import pyarrow.parquet as pq
 
-from app.cli import HelpFormatter, Parser, run_main, storage_uri
+from app.cli import HelpFormatter, Parser, run_main
+from app.storage import storage_uri
 from app.config import DATASETS, DataConfig, UserError
 from app.console import Console
 

@@ -11,7 +11,8 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from app.cli import HelpFormatter, Parser, run_main, storage_uri
+from app.cli import HelpFormatter, Parser, run_main
+from app.storage import storage_uri
 from app.config import (
     DATASETS,
     PRECISIONS,
@@ -221,17 +222,23 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     storage_path = storage_uri(args.storage_path)
     embedded = not args.address
 
-    from app import cluster, launcher
+    from app import cluster, storage
 
     if embedded:
         cluster.check_capacity(workers, nodes=cluster.local_resources())
-    launcher.check_storage(storage_path)
+    storage.check_storage(storage_path)
     data, manifest = _resolve_data(args, console, embedded)
     run = RunConfig(
         name=args.name or f"{data.dataset}-{time.strftime('%Y%m%d-%H%M%S')}",
         storage_path=storage_path,
     )
     config = TrainConfig(data=data, optim=optim, loop=loop, checkpoint=checkpoints)
+    with storage.RunLock(run):
+        return _train(args, console, config, workers, run, fault_tolerance, manifest, embedded)
+
+
+def _train(args, console, config, workers, run, fault_tolerance, manifest, embedded) -> int:
+    from app import cluster, launcher
 
     cluster.connect(args.address, verbose=args.verbose)
     try:

@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.cli import EXIT_INTERRUPTED, HelpFormatter, Parser, run_main, storage_uri
+from app.cli import EXIT_INTERRUPTED, HelpFormatter, Parser, run_main
+from app.storage import storage_uri
 from app.config import (
     DATASETS,
     CheckpointConfig,
@@ -343,7 +344,7 @@ def report(sweep_uri: str, result_grid, target_accuracy: float, console: Console
 def _run(args, console: Console) -> int:
     from ray import tune
 
-    from app import cluster, launcher, results
+    from app import cluster, results, storage
 
     args.world_sizes = _parse_list(args.num_workers, int, "--num-workers")
     if min(args.world_sizes) < 1:
@@ -355,11 +356,11 @@ def _run(args, console: Console) -> int:
     FaultToleranceConfig(placement_timeout_s=args.placement_timeout)  # validates it
     if (args.resume or args.show) and not args.name:
         raise UserError("--resume and --show need the --name of the sweep")
-    storage = storage_uri(args.storage_path)
+    storage_root = storage_uri(args.storage_path)
     name = check_name(args.name, "sweep name") if args.name else \
         f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
-    sweep_uri = f"{storage.rstrip('/')}/{name}"
-    launcher.check_storage(storage)
+    sweep_uri = storage.join(storage_root, name)
+    storage.check_storage(storage_root)
     if not args.resume:
         _check_inputs(args, embedded=not args.address)
 
@@ -367,7 +368,7 @@ def _run(args, console: Console) -> int:
     try:
         if args.show or args.resume:
             if not tune.Tuner.can_restore(sweep_uri):
-                raise UserError(f"no sweep named {name!r} in {storage}")
+                raise UserError(f"no sweep named {name!r} in {storage_root}")
             # Before Tune unpickles the folder's experiment state: only a sweep of this app's.
             try:
                 plan = json.loads(results.read_file(f"{sweep_uri}/{SWEEP_FILE}"))
@@ -388,8 +389,8 @@ def _run(args, console: Console) -> int:
         else:
             if tune.Tuner.can_restore(sweep_uri):
                 raise UserError(
-                    f"a sweep named {name!r} exists in {storage}: add --resume to continue it, "
-                    "--show to see it, or choose another --name"
+                    f"a sweep named {name!r} exists in {storage_root}: add --resume to continue "
+                    "it, --show to see it, or choose another --name"
                 )
             concurrency = _default_concurrency(args, args.max_concurrent_trials)
             num_lrs = len(_parse_list(args.lr, float, "--lr")) if args.lr else 1
@@ -418,7 +419,7 @@ def _run(args, console: Console) -> int:
                 ),
                 # verbose=1: the status table, without a box per reported result.
                 run_config=tune.RunConfig(
-                    name=name, storage_path=storage, verbose=2 if args.verbose else 1
+                    name=name, storage_path=storage_root, verbose=2 if args.verbose else 1
                 ),
             )
             results.write_file(f"{sweep_uri}/{SWEEP_FILE}", json.dumps(plan).encode())

@@ -1,0 +1,188 @@
+"""Where runs live: storage URIs, the write probe, whether a run exists, and the run lock.
+
+Everything goes through pyarrow's filesystem layer (what Ray Train writes with), so a local
+folder and ``s3://bucket/prefix`` behave alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pyarrow
+import pyarrow.fs
+
+from app.config import RunConfig, UserError
+
+STORAGE_SCHEMES = ("s3", "gs", "gcs", "hdfs", "abfs", "abfss", "file")
+"""URI schemes of the filesystems pyarrow (and so Ray Train) writes to."""
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(//)?(.*)$", re.DOTALL)
+
+
+def storage_uri(path: str, flag: str = "--storage-path") -> str:
+    """A URI as given; a local path made absolute (Ray needs absolute storage paths).
+
+    Refuses what would silently land somewhere else: ``s3:/bucket`` (one slash) would be a
+    local folder named ``s3:``, and an unknown scheme a local folder too.
+    """
+    if not path.strip():
+        raise UserError(f"{flag} must not be empty")
+    match = _SCHEME.match(path)
+    if match is None:
+        return str(Path(path).expanduser().resolve())
+    scheme, slashes, rest = match.groups()
+    if scheme.lower() not in STORAGE_SCHEMES:
+        raise UserError(
+            f"{flag} {path!r}: unknown scheme {scheme + ':'!r}; use a local folder or one of "
+            + ", ".join(f"{known}://" for known in STORAGE_SCHEMES)
+        )
+    if not slashes:
+        raise UserError(f"{flag} {path!r} is not a URI: write it as {scheme}://{rest.lstrip('/')}")
+    if not rest.strip("/") and scheme.lower() != "file":
+        raise UserError(f"{flag} {path!r} names no bucket: write it as {scheme}://BUCKET/PREFIX")
+    return path
+
+
+def join(base: str, *parts: str) -> str:
+    """``base/part/...`` for a folder or a URI (no doubled slashes)."""
+    return "/".join([base.rstrip("/"), *(part.strip("/") for part in parts)])
+
+
+def check_storage(storage_path: str) -> None:
+    """Fail now, with the path in the message, if checkpoints could not be written there."""
+    try:
+        filesystem, path = pyarrow.fs.FileSystem.from_uri(storage_path)
+        filesystem.create_dir(path, recursive=True)
+        probe = join(path, ".write_probe")
+        with filesystem.open_output_stream(probe) as stream:
+            stream.write(b"ok")
+        filesystem.delete_file(probe)
+    except (OSError, pyarrow.ArrowException) as error:
+        raise UserError(f"cannot write to storage path {storage_path}: {error}") from None
+
+
+def run_exists(run: RunConfig) -> bool:
+    from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
+
+    filesystem, path = pyarrow.fs.FileSystem.from_uri(run.storage_path)
+    snapshot = join(path, run.name, CHECKPOINT_MANAGER_SNAPSHOT_FILENAME)
+    return filesystem.get_file_info(snapshot).type == pyarrow.fs.FileType.File
+
+
+class RunLock:
+    """Keeps a second driver off a run while one trains it: ``<run>/.lock``.
+
+    Holds who has the run (host, pid) and a heartbeat refreshed every ``refresh_s``. A lock is
+    stale, and is taken over, when its holder is a dead process on this host or its heartbeat is
+    older than ``stale_s`` (a crashed driver elsewhere); a clean exit removes it.
+    """
+
+    FILE = ".lock"
+
+    def __init__(self, run: RunConfig, refresh_s: float = 10.0, stale_s: float = 60.0):
+        self.filesystem, base = pyarrow.fs.FileSystem.from_uri(run.storage_path)
+        self.folder = join(base, run.name)
+        self.path = join(self.folder, self.FILE)
+        self.run = run
+        self.refresh_s = refresh_s
+        self.stale_s = stale_s
+        self._token = uuid.uuid4().hex
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _record(self) -> bytes:
+        return json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                           "token": self._token, "heartbeat": time.time()}).encode()
+
+    def _holder(self) -> dict | None:
+        try:
+            with self.filesystem.open_input_stream(self.path) as stream:
+                return json.loads(stream.read())
+        except (OSError, ValueError, pyarrow.ArrowException):
+            return None
+
+    def _is_stale(self, holder: dict) -> bool:
+        if holder.get("host") == socket.gethostname():
+            try:
+                os.kill(int(holder.get("pid", -1)), 0)
+            except ProcessLookupError:
+                return True
+            except (PermissionError, ValueError, OverflowError):
+                pass
+        return time.time() - float(holder.get("heartbeat", 0)) > self.stale_s
+
+    def _write(self) -> None:
+        with self.filesystem.open_output_stream(self.path) as stream:
+            stream.write(self._record())
+
+    def acquire(self) -> None:
+        try:
+            self.filesystem.create_dir(self.folder, recursive=True)
+            if isinstance(self.filesystem, pyarrow.fs.LocalFileSystem):
+                # The run's checkpoints and results are the owner's alone.
+                os.chmod(self.folder, 0o700)
+                self._acquire_local()
+            else:
+                holder = self._holder()
+                if holder is not None and not self._is_stale(holder):
+                    self._refuse(holder)
+                self._write()
+        except (OSError, pyarrow.ArrowException) as error:
+            raise UserError(f"cannot lock run {self.run.name!r} in {self.run.storage_path}: "
+                            f"{error}") from None
+        self._thread = threading.Thread(target=self._refresh, name="run-lock", daemon=True)
+        self._thread.start()
+
+    def _acquire_local(self) -> None:
+        for _ in range(3):
+            try:
+                descriptor = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is not None and not self._is_stale(holder):
+                    self._refuse(holder)
+                Path(self.path).unlink(missing_ok=True)  # stale: take it over
+                continue
+            with os.fdopen(descriptor, "wb") as stream:
+                stream.write(self._record())
+            return
+        raise OSError(f"{self.path} keeps reappearing")
+
+    def _refuse(self, holder: dict) -> None:
+        since = time.time() - float(holder.get("heartbeat", 0))
+        raise UserError(
+            f"run {self.run.name!r} is being trained by another command (pid {holder.get('pid')} "
+            f"on {holder.get('host')}, alive {since:.0f} s ago): wait for it to end, or use "
+            f"another --name (a crashed run's lock expires after {self.stale_s:g} s)"
+        )
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(self.refresh_s):
+            try:
+                holder = self._holder()
+                if holder is None or holder.get("token") == self._token:
+                    self._write()
+            except (OSError, pyarrow.ArrowException):
+                pass  # best effort: a missed heartbeat only makes the lock look older
+
+    def release(self) -> None:
+        self._stop.set()
+        try:
+            holder = self._holder()
+            if holder is not None and holder.get("token") == self._token:
+                self.filesystem.delete_file(self.path)
+        except (OSError, pyarrow.ArrowException):
+            pass  # the lock then goes stale on its own
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()
