@@ -78,10 +78,10 @@ class Console:
             self.start(event)
         elif event["event"] == "epoch":
             self.epoch(event)
-        elif event["event"] == "failure":
+        elif event["event"] == "failure" and not event["fatal"]:  # a fatal one ends the run,
             lost = "; ".join(f"rank {rank}: {why}" for rank, why in event["workers"].items())
-            then = "" if event["fatal"] else ": restarting from the latest checkpoint"
-            self.line(f"Lost {len(event['workers'])} worker(s) ({lost}){then}.")
+            self.line(f"Lost {len(event['workers'])} worker(s) ({lost}): restarting from the "
+                      "latest checkpoint.")  # which the CLI then says in its error line
         elif event["event"] == "warning":
             self.line(f"warning: {event['message']}")
         elif event["event"] == "partial" and event["reason"] == "preemption":
