@@ -72,7 +72,8 @@ def load(directory: str | Path) -> TrainingState:
     except FileNotFoundError as error:
         raise UnreadableCheckpoint(f"{Path(error.filename).name} is missing") from None
     except Exception as error:  # noqa: BLE001 - torch raises RuntimeError, pickle and zip errors
-        raise UnreadableCheckpoint(f"{type(error).__name__}: {error}") from None
+        first = (str(error).strip().splitlines() or [""])[0][:160]
+        raise UnreadableCheckpoint(f"{type(error).__name__}: {first}") from None
     if not isinstance(values, dict):
         raise UnreadableCheckpoint(f"{STATE_FILE} is not a training state")
     version = values.get("format_version", 1)  # the first layout carried no version

@@ -134,7 +134,10 @@ def _bundles(entry: dict) -> str:
     shapes = [dict(bundle) for bundle in entry.get("bundles", {}).values()]
     if not shapes:
         return "nothing"
-    first = ", ".join(f"{key}: {value:g}" for key, value in sorted(shapes[0].items()))
+    first = ", ".join(
+        f"{key}: {value / 2**20:.0f} MiB" if "memory" in key else f"{key}: {value:g}"
+        for key, value in sorted(shapes[0].items())
+    )
     same = all(shape == shapes[0] for shape in shapes)
     return f"{{{first}}} x {len(shapes)}" if same else f"{len(shapes)} bundles"
 

@@ -61,7 +61,7 @@ def trial_table(trials: list[TrialRecord]) -> str:
     ]
     for position, trial in enumerate(ranked(trials), start=1):
         best = trial.best
-        status = trial.status
+        status = trial.status if len(trial.status) <= 110 else trial.status[:109] + "…"
         to_best = f"{best['time_total_s']:.1f} s" if best else "-"
         lines.append(
             f"{position:>4}  {trial.trial_id:<12} {trial.lr:>9.4g} {trial.world_size:>7} "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import re
 import os
 import sys
 import time
@@ -272,8 +273,11 @@ def _outcome(result, status: str | None, num_epochs: int, planned: int) -> str:
 
         cause = find_cause(result.error, (UserError,))
         text = str(cause) if cause is not None else str(result.error)
-        reason = [line for line in text.strip().splitlines() if line.strip()]
-        return f"failed: {reason[-1].strip() if reason else type(result.error).__name__}"
+        lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+        # Ray prefixes a worker's error with its class ("app.config.UserError: ...").
+        reason = re.sub(r"^(?:[\w.]+(?:Error|Exception): )+", "", lines[-1]) if lines \
+            else type(result.error).__name__
+        return f"failed: {reason}"
     if status == "PENDING" or (status is None and num_epochs == 0):
         return "not started"
     if status in ("RUNNING", "PAUSED"):
