@@ -86,8 +86,53 @@ def test_aws_yaml_says_what_the_product_needs():
     assert any("pip install" in c and "ray-elastic-train" in c for c in config["setup_commands"])
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert '"ray[default,train,tune]' in pyproject
-    # No ingress rule of our own (Ray adds SSH; a duplicate 22/0.0.0.0/0 fails on EC2).
+    # The secure shape: every node in the security group aws_setup.py makes (Ray's own opens SSH
+    # to 0.0.0.0/0), IMDSv2 only, workers with the bucket-scoped profile (not the head's).
+    for node_type in config["available_node_types"].values():
+        node_config = node_type["node_config"]
+        assert node_config["SecurityGroupIds"] and node_config["MetadataOptions"]["HttpTokens"] \
+            == "required"
+    assert all(t["node_config"]["IamInstanceProfile"]["Name"] == "elastic-train-worker"
+               for t in workers)
+    assert "IamInstanceProfile" not in head["node_config"], "the head gets Ray's (it launches)"
     assert "security_group" not in config["provider"]
+
+
+@pytest.mark.parametrize("name", sorted(YAMLS))
+def test_every_node_requires_the_clusters_token_and_gets_it(name):
+    config = _load(name)
+    for command in config["head_start_ray_commands"][1:] + config["worker_start_ray_commands"][1:]:
+        assert "export RAY_AUTH_MODE=token;" in command and "ray start" in command
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+
+
+@pytest.mark.parametrize("name", sorted(YAMLS))
+def test_file_mounts_leave_secrets_and_environments_behind(name):
+    config = _load(name)
+    assert config["file_mounts"]["~/ray-elastic-train"] == "."
+    assert config["rsync_filter"] == [".gitignore"]
+    for private in (".venv", ".env", "*.pem", ".aws", ".git"):
+        assert private in config["rsync_exclude"]
+    assert "run it from the repository root" in YAMLS[name].read_text() \
+        or "is where `ray up` runs: the repository root" in YAMLS[name].read_text()
+
+
+@pytest.mark.parametrize("name", sorted(YAMLS))
+def test_every_node_installs_the_pinned_versions(name):
+    config = _load(name)
+    setup = " ".join(config["setup_commands"])
+    assert "-c ~/ray-elastic-train/cluster/constraints.txt" in setup
+    pins = dict(line.split("==", 1) for line in
+                (ROOT / "cluster" / "constraints.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    from importlib.metadata import version
+
+    for package in ("torch", "ray", "pyarrow", "torchvision", "numpy"):
+        assert pins[package] == version(package), package
+    major, minor = (int(part) for part in pins["torch"].split(".")[:2])
+    assert (major, minor) >= (2, 6)
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert '"torch>=2.6"' in pyproject and '"pyarrow>=14.0.1"' in pyproject
 
 
 def test_no_credentials_in_cluster_files():
@@ -159,7 +204,22 @@ def mock_aws_env(tmp_path, monkeypatch):
         yield tmp_path
 
 
-def test_aws_bootstrap_and_node_provider_create_the_cluster(mock_aws_env):
+def _aws_setup():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("aws_setup", ROOT / "cluster" / "aws_setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_aws_setup_refuses_ssh_from_everywhere(mock_aws_env, capsys):
+    assert _aws_setup().main(["--region", "us-west-2", "--ssh-cidr", "0.0.0.0/0",
+                              "--bucket", "runs"]) == 2
+    assert "opens SSH to every address" in capsys.readouterr().err
+
+
+def test_aws_bootstrap_and_node_provider_create_the_cluster(mock_aws_env, capsys):
     import boto3
     from ray.autoscaler._private.aws.config import bootstrap_aws
     from ray.autoscaler._private.aws.node_provider import AWSNodeProvider
@@ -170,32 +230,56 @@ def test_aws_bootstrap_and_node_provider_create_the_cluster(mock_aws_env):
         TAG_RAY_USER_NODE_TYPE,
     )
 
-    config = bootstrap_aws(_validate(_load("aws")))
+    # The documented one-time setup, then the YAML with the group it printed.
+    assert _aws_setup().main(["--region", "us-west-2", "--ssh-cidr", "203.0.113.7/32",
+                              "--bucket", "my-runs"]) == 0
+    printed = capsys.readouterr().out
+    group_id = printed.split("SecurityGroupIds: [")[1].split("]")[0]
+    raw = _load("aws")
+    for node_type in raw["available_node_types"].values():
+        node_type["node_config"]["SecurityGroupIds"] = [group_id]
+    config = bootstrap_aws(_validate(raw))
     region = config["provider"]["region"]
     iam = boto3.client("iam")
     ec2 = boto3.client("ec2", region_name=region)
 
-    # IAM: the instance profile with a role that may use EC2 and S3.
+    # IAM: the head's instance profile (Ray's, it launches workers) may use EC2 and S3; the
+    # workers' reaches the run bucket only.
     profile = iam.get_instance_profile(InstanceProfileName="ray-autoscaler-v1")["InstanceProfile"]
     (role,) = profile["Roles"]
     policies = {p["PolicyName"] for p in
                 iam.list_attached_role_policies(RoleName=role["RoleName"])["AttachedPolicies"]}
     assert {"AmazonEC2FullAccess", "AmazonS3FullAccess"} <= policies
+    worker_profile = iam.get_instance_profile(
+        InstanceProfileName="elastic-train-worker")["InstanceProfile"]
+    (worker_role,) = worker_profile["Roles"]
+    assert iam.list_attached_role_policies(
+        RoleName=worker_role["RoleName"])["AttachedPolicies"] == []
+    document = iam.get_role_policy(RoleName=worker_role["RoleName"],
+                                   PolicyName="run-bucket")["PolicyDocument"]
+    resources = {r for statement in document["Statement"] for r in
+                 ([statement["Resource"]] if isinstance(statement["Resource"], str)
+                  else statement["Resource"])}
+    assert resources == {"arn:aws:s3:::my-runs", "arn:aws:s3:::my-runs/*"}
     # Key pair: created, its private key saved for `ray up`'s SSH.
     key_name = config["auth"]["ssh_private_key"]
     assert Path(key_name).is_file() and Path(key_name).is_relative_to(mock_aws_env)
     (key_pair,) = ec2.describe_key_pairs()["KeyPairs"]
-    # Security group: SSH and traffic between the cluster's nodes, nothing else.
+    # Security group: the one set up, untouched by Ray: SSH from the given network only, and
+    # traffic between the cluster's nodes. Ray created no group of its own.
     head_config = config["available_node_types"]["head.cpu"]["node_config"]
-    (group,) = ec2.describe_security_groups(GroupIds=head_config["SecurityGroupIds"])[
-        "SecurityGroups"]
+    assert head_config["SecurityGroupIds"] == [group_id]
+    (group,) = ec2.describe_security_groups(GroupIds=[group_id])["SecurityGroups"]
     opened = []
     for rule in group["IpPermissions"]:
         if rule.get("UserIdGroupPairs"):
             assert [pair["GroupId"] for pair in rule["UserIdGroupPairs"]] == [group["GroupId"]]
         else:
-            opened.append((rule.get("FromPort"), rule.get("ToPort")))
-    assert opened == [(22, 22)]
+            opened.append((rule.get("FromPort"), rule.get("ToPort"),
+                           [r["CidrIp"] for r in rule.get("IpRanges", [])]))
+    assert opened == [(22, 22, ["203.0.113.7/32"])]
+    names = {g["GroupName"] for g in ec2.describe_security_groups()["SecurityGroups"]}
+    assert not any(name.startswith("ray-autoscaler") for name in names), names
     assert head_config["SubnetIds"] and head_config["KeyName"] == key_pair["KeyName"]
 
     provider = AWSNodeProvider(config["provider"], config["cluster_name"])
@@ -220,9 +304,11 @@ def test_aws_bootstrap_and_node_provider_create_the_cluster(mock_aws_env):
     for instance in (head, worker):
         tags = {t["Key"]: t["Value"] for t in instance["Tags"]}
         assert tags[TAG_RAY_CLUSTER_NAME] == "elastic-train"
-        assert instance["IamInstanceProfile"]["Arn"] == profile["Arn"]
+        assert instance["MetadataOptions"]["HttpTokens"] == "required"
         assert instance["KeyName"] == key_pair["KeyName"]
         assert [g["GroupId"] for g in instance["SecurityGroups"]] == [group["GroupId"]]
+    assert head["IamInstanceProfile"]["Arn"] == profile["Arn"]
+    assert worker["IamInstanceProfile"]["Arn"] == worker_profile["Arn"]
     assert sorted(provider.non_terminated_nodes({TAG_RAY_NODE_KIND: "worker"})) == \
         [worker["InstanceId"]]
 
