@@ -22,7 +22,7 @@ import torch
 
 from app.batching import TrainBatch
 from app.config import DataConfig, UserError
-from app.prepare import FORMAT, MANIFEST, SCHEMA
+from app.prepare import FORMAT, MANIFEST, NUM_CLASSES, SCHEMA, changed_files, is_inside
 
 SHUFFLE_BUFFER_ROWS = 2_000
 """Rows each worker shuffles locally on top of the per-epoch file/block order."""
@@ -72,8 +72,13 @@ def _uri(uri: str, relative: str) -> str:
     return f"{uri.rstrip('/')}/{relative}"
 
 
-def open_manifest(uri: str) -> Manifest:
-    """The data set at ``uri``, checked: one line naming the problem otherwise."""
+def open_manifest(uri: str, verify: bool = False) -> Manifest:
+    """The data set at ``uri``, checked: one line naming the problem otherwise.
+
+    Always: the manifest, that its paths stay inside the set, that every file is there with our
+    schema and labels the model can predict (from each file's footer). With ``verify``, also
+    every file's SHA-256 against the manifest (reads all the data).
+    """
     filesystem, root = _filesystem(uri)
     manifest_path = f"{root}/{MANIFEST}"
     try:
@@ -122,11 +127,42 @@ def open_manifest(uri: str) -> Manifest:
     except (KeyError, TypeError, ValueError) as error:
         raise UserError(f"{_uri(uri, MANIFEST)} is incomplete ({error!r} missing or invalid)") \
             from None
-    return _check_files(manifest, filesystem, root, files)
+    outside = [path for split in files.values() for path in split if not is_inside(path)]
+    if outside:
+        raise UserError(
+            f"{_uri(uri, MANIFEST)} lists a file outside the data set's folder ({outside[0]!r}); "
+            "refusing to read it"
+        )
+    manifest = _check_files(manifest, filesystem, root, files)
+    if verify:
+        try:
+            changed = changed_files(filesystem, root, values)
+        except OSError as error:
+            raise _storage_error(uri, error) from None
+        if changed:
+            raise UserError(
+                f"{uri}: {len(changed)} file(s) differ from the manifest, e.g. {changed[0]}; "
+                f"rerun 'python -m app.prepare --output {uri}' with the same data to repair it"
+            )
+    return manifest
+
+
+def _label_range(metadata) -> tuple[int, int] | None:
+    """(min, max) of the label column from a file's row-group statistics, if recorded."""
+    column = SCHEMA.get_field_index("label")
+    low, high = None, None
+    for group in range(metadata.num_row_groups):
+        statistics = metadata.row_group(group).column(column).statistics
+        if statistics is None or not statistics.has_min_max:
+            return None
+        low = statistics.min if low is None else min(low, statistics.min)
+        high = statistics.max if high is None else max(high, statistics.max)
+    return None if low is None else (low, high)
 
 
 def _check_files(manifest: Manifest, filesystem, root: str, files: dict[str, list[str]]):
-    """Every listed file is there, and the first training file has our schema."""
+    """Every listed file is there, with our schema and labels in the model's range (footers
+    only: no data is read)."""
     paths = [f"{root}/{path}" for split in files.values() for path in split]
     try:
         infos = filesystem.get_file_info(paths)
@@ -134,20 +170,30 @@ def _check_files(manifest: Manifest, filesystem, root: str, files: dict[str, lis
         if missing:
             raise UserError(
                 f"{manifest.uri} is incomplete: {len(missing)} file(s) its manifest lists are "
-                f"missing, e.g. {missing[0]}; rerun app.prepare into an empty location"
+                f"missing, e.g. {missing[0]}; rerun 'python -m app.prepare --output "
+                f"{manifest.uri}' with the same data to repair it"
             )
-        with filesystem.open_input_file(paths[0]) as handle:
-            schema = pq.read_schema(handle)
+        for path in paths:
+            try:
+                with filesystem.open_input_file(path) as handle:
+                    metadata = pq.read_metadata(handle)
+            except pa.ArrowInvalid as error:
+                raise UserError(f"{path} is not a readable Parquet file: {error}") from None
+            schema = metadata.schema.to_arrow_schema()
+            if not schema.remove_metadata().equals(SCHEMA):
+                raise UserError(
+                    f"{path} has columns ({', '.join(f'{f.name}: {f.type}' for f in schema)}); "
+                    f"expected ({', '.join(f'{f.name}: {f.type}' for f in SCHEMA)}) as "
+                    "app.prepare writes them"
+                )
+            labels = _label_range(metadata)
+            if labels is not None and labels[1] >= NUM_CLASSES:
+                raise UserError(
+                    f"{path} has labels up to {labels[1]}, but the model predicts "
+                    f"{NUM_CLASSES} classes (0-{NUM_CLASSES - 1})"
+                )
     except OSError as error:
         raise _storage_error(manifest.uri, error) from None
-    except pa.ArrowInvalid as error:
-        raise UserError(f"{paths[0]} is not a readable Parquet file: {error}") from None
-    if not schema.remove_metadata().equals(SCHEMA):
-        raise UserError(
-            f"{paths[0]} has columns ({', '.join(f'{f.name}: {f.type}' for f in schema)}); "
-            f"expected ({', '.join(f'{f.name}: {f.type}' for f in SCHEMA)}) as app.prepare "
-            "writes them"
-        )
     return dataclasses.replace(manifest, total_bytes=sum(info.size for info in infos))
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import posixpath
 import sys
 
 import numpy as np
@@ -28,6 +29,8 @@ from app.console import Console
 FORMAT = "app-digits-parquet/1"
 MANIFEST = "manifest.json"
 _IMAGE_BYTES = 28 * 28
+NUM_CLASSES = 10
+"""Labels are class indices 0-9: the ConvNet's outputs."""
 SCHEMA = pa.schema([
     ("id", pa.int64()),
     ("image", pa.binary(_IMAGE_BYTES)),
@@ -64,6 +67,29 @@ def _sha256(filesystem: pyarrow.fs.FileSystem, path: str) -> str:
     return digest.hexdigest()
 
 
+def is_inside(relative: str) -> bool:
+    """Whether a manifest's file path stays inside the data set's folder (no absolute paths,
+    no '..', no URI): a manifest must not send readers elsewhere."""
+    normal = posixpath.normpath(relative)
+    return bool(relative) and "://" not in relative and not relative.startswith("/") \
+        and normal != ".." and not normal.startswith("../")
+
+
+def changed_files(filesystem, root: str, values: dict) -> list[str]:
+    """The files a manifest lists that are missing or whose SHA-256 differs from the one it
+    recorded (reads every byte)."""
+    changed = []
+    for split in ("train", "val"):
+        for entry in values["splits"][split]["files"]:
+            path = f"{root}/{entry['path']}"
+            try:
+                if _sha256(filesystem, path) != entry["sha256"]:
+                    changed.append(f"{entry['path']} (checksum differs)")
+            except FileNotFoundError:
+                changed.append(f"{entry['path']} (missing)")
+    return changed
+
+
 def _existing_manifest(filesystem, root: str) -> dict | None:
     path = f"{root}/{MANIFEST}"
     if filesystem.get_file_info(path).type != pyarrow.fs.FileType.File:
@@ -72,8 +98,10 @@ def _existing_manifest(filesystem, root: str) -> dict | None:
         return json.loads(stream.read())
 
 
-def prepare(raw, output: str, num_files: dict[str, int]) -> tuple[dict, bool]:
-    """Write ``raw`` under ``output``; returns the manifest and whether anything was written."""
+def prepare(raw, output: str, num_files: dict[str, int]) -> tuple[dict, str]:
+    """Write ``raw`` under ``output``; returns the manifest and what was done: "written",
+    "unchanged" (the same data set is there, every file intact) or "repaired" (the same data
+    set with files missing or changed: written again)."""
     try:
         filesystem, root = pyarrow.fs.FileSystem.from_uri(output)
     except (pa.ArrowInvalid, OSError) as error:
@@ -84,13 +112,25 @@ def prepare(raw, output: str, num_files: dict[str, int]) -> tuple[dict, bool]:
         existing = _existing_manifest(filesystem, root)
     except (OSError, ValueError) as error:
         raise UserError(f"cannot read {output}/{MANIFEST}: {error}") from None
+    repaired: list[str] = []
     if existing is not None:
         if existing.get("source_sha256") == source:
-            return existing, False
-        raise UserError(
+            try:
+                repaired = changed_files(filesystem, root, existing)
+            except (KeyError, TypeError):
+                repaired = [f"{MANIFEST} (incomplete)"]
+            except OSError as error:
+                raise UserError(f"cannot read {output}: {error}") from None
+            if not repaired:
+                return existing, "unchanged"
+            # The same data: write it again. Until the new manifest is written last, the set
+            # is incomplete, as a first write would be.
+            filesystem.delete_file(f"{root}/{MANIFEST}")
+        else:
+            raise UserError(
             f"{output} already holds a different data set ({existing.get('dataset')}, "
             f"{existing.get('source_sha256', '?')[:12]}); choose another output or delete it"
-        )
+            )
     manifest = {
         "format": FORMAT,
         "dataset": raw.name,
@@ -124,7 +164,9 @@ def prepare(raw, output: str, num_files: dict[str, int]) -> tuple[dict, bool]:
             stream.write(json.dumps(manifest, indent=1).encode())
     except OSError as error:
         raise UserError(f"cannot write to {output}: {error}") from None
-    return manifest, True
+    if repaired:
+        manifest["repaired"] = repaired
+    return manifest, "repaired" if repaired else "written"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,17 +195,21 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         raise UserError("--train-files and --val-files must be >= 1")
     raw = data.load_raw(DataConfig(dataset=args.dataset, data_dir=args.data_dir))
     output = storage_uri(args.output, "--output")
-    manifest, written = prepare(raw, output, {"train": args.train_files, "val": args.val_files})
+    manifest, done = prepare(raw, output, {"train": args.train_files, "val": args.val_files})
     splits = manifest["splits"]
     summary = (
         f"{manifest['dataset']}: {splits['train']['rows']:,} train / {splits['val']['rows']:,} "
         f"validation images in {len(splits['train']['files'])} + {len(splits['val']['files'])} "
         f"Parquet files"
     )
-    if written:
-        console.line(f"Wrote {summary} to {output} (manifest: {output}/{MANIFEST}).")
-    else:
-        console.line(f"{output} already holds this data set ({summary}); nothing to do.")
+    if done == "unchanged":
+        console.line(f"{output} already holds this data set ({summary}), every file intact; "
+                     "nothing to do.")
+        return 0
+    if done == "repaired":
+        console.line(f"{output} held this data set with {len(manifest['repaired'])} file(s) "
+                     f"missing or changed ({', '.join(manifest['repaired'][:3])}): rewrote it.")
+    console.line(f"Wrote {summary} to {output} (manifest: {output}/{MANIFEST}).")
     return 0
 
 

@@ -111,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
         "s3:// prefix), read with Ray Data and split across the workers, instead of --dataset",
     )
     data.add_argument(
+        "--verify-data", action="store_true",
+        help="with --parquet: check every file's SHA-256 against the manifest before training "
+        "(reads all the data once; the manifest, paths, schemas and labels are always checked)",
+    )
+    data.add_argument(
         "--stream-data", action="store_true",
         help="with --parquet: re-read the files every epoch instead of reading them once into "
         "Ray's object store (for data larger than the cluster's object store and spill disk; "
@@ -158,13 +163,15 @@ def _resolve_data(
 
         if args.dataset is not None:
             raise UserError("--dataset and --parquet both name a data set: give one of them")
-        manifest = parquet.open_manifest(storage_uri(args.parquet, "--parquet"))
+        manifest = parquet.open_manifest(storage_uri(args.parquet, "--parquet"),
+                                         verify=args.verify_data)
         check_batch_fits(args.global_batch_size, manifest.num_train, manifest.dataset)
         config = DataConfig(dataset=manifest.dataset, parquet=manifest.uri,
                             stream=args.stream_data)
         return config, manifest
-    if args.stream_data:
-        raise UserError("--stream-data applies to --parquet data sets only")
+    if args.stream_data or args.verify_data:
+        flag = "--stream-data" if args.stream_data else "--verify-data"
+        raise UserError(f"{flag} applies to --parquet data sets only")
     if args.dataset is not None:
         config = DataConfig(dataset=args.dataset, data_dir=args.data_dir)
     else:

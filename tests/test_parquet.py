@@ -3,6 +3,7 @@ S3 API (moto's server on 127.0.0.1) for s3:// data and checkpoints."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -159,6 +160,66 @@ def test_unauthorised_s3_is_reported(tmp_path, monkeypatch, capsys):
 
 def test_stream_data_needs_parquet(capsys):
     assert "--stream-data applies to --parquet" in _train_error(capsys, "--stream-data")
+    assert "--verify-data applies to --parquet" in _train_error(capsys, "--verify-data")
+
+
+def _rewrite_part(copy: Path, part: Path, table: pa.Table) -> None:
+    """Replace a part file and record its new checksum, as a consistent but wrong set."""
+    pq.write_table(table, part)
+    manifest_path = copy / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    relative = str(part.relative_to(copy))
+    for split in manifest["splits"].values():
+        for entry in split["files"]:
+            if entry["path"] == relative:
+                entry["sha256"] = hashlib.sha256(part.read_bytes()).hexdigest()
+    manifest_path.write_text(json.dumps(manifest))
+
+
+def test_every_part_file_is_checked_not_just_the_first(local_parquet, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(local_parquet, copy)
+    part = copy / "val" / "part-00001.parquet"
+    table = pq.read_table(part)
+    _rewrite_part(copy, part, table.set_column(2, "label", table.column("label").cast(pa.int32())))
+    err = _train_error(capsys, "--parquet", str(copy))
+    assert "val/part-00001.parquet has columns" in err and "label: int32" in err
+
+
+def test_labels_the_model_cannot_predict_are_refused(local_parquet, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(local_parquet, copy)
+    part = copy / "train" / "part-00003.parquet"
+    table = pq.read_table(part)
+    labels = pa.array([12] * len(table), type=pa.uint8())
+    _rewrite_part(copy, part, table.set_column(2, "label", labels))
+    err = _train_error(capsys, "--parquet", str(copy))
+    assert "has labels up to 12, but the model predicts 10 classes" in err
+
+
+def test_manifest_paths_outside_the_set_are_refused(local_parquet, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(local_parquet, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["splits"]["train"]["files"][0]["path"] = "../../elsewhere/part-00000.parquet"
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    err = _train_error(capsys, "--parquet", str(copy))
+    assert "lists a file outside the data set's folder" in err
+
+
+def test_verify_data_catches_changed_bytes(local_parquet, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(local_parquet, copy)
+    part = copy / "train" / "part-00002.parquet"
+    table = pq.read_table(part)
+    # The same schema and labels, other images: only the checksum tells.
+    pq.write_table(table.set_column(1, "image", table.column("image").take(
+        pa.array(list(reversed(range(len(table))))))), part)
+    err = _train_error(capsys, "--parquet", str(copy), "--verify-data", "--epochs", "0")
+    assert "epochs must be >= 1" in err  # flags are checked first
+    err = _train_error(capsys, "--parquet", str(copy), "--verify-data")
+    assert "1 file(s) differ from the manifest, e.g. train/part-00002.parquet" in err
+    assert "app.prepare" in err
 
 
 # --- on a real Ray cluster ----------------------------------------------------------------------

@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pyarrow.parquet as pq
+import pyarrow.fs
 import pytest
 
 from app import data, prepare
@@ -41,10 +42,10 @@ def test_prepare_round_trips_every_image_with_checksums(small_mnist_dir, tmp_pat
 def test_same_data_is_a_no_op_and_a_different_data_set_is_refused(small_mnist_dir, tmp_path):
     output = str(tmp_path / "parquet")
     raw = data.load_raw(DataConfig(dataset="mnist", data_dir=str(small_mnist_dir)))
-    first, written = prepare.prepare(raw, output, {"train": 2, "val": 1})
-    assert written
-    again, written = prepare.prepare(raw, output, {"train": 2, "val": 1})
-    assert not written and again == first
+    first, done = prepare.prepare(raw, output, {"train": 2, "val": 1})
+    assert done == "written"
+    again, done = prepare.prepare(raw, output, {"train": 2, "val": 1})
+    assert done == "unchanged" and again == first
     digits = data.load_raw(DataConfig(dataset="digits"))
     with pytest.raises(UserError, match="already holds a different data set"):
         prepare.prepare(digits, output, {"train": 2, "val": 1})
@@ -60,3 +61,30 @@ def test_bad_output_is_one_line_exit_2(tmp_path, capsys):
     assert not (blocker.parent / "out").exists()
     assert prepare.main(["--dataset", "digits", "--output", str(tmp_path / "x"),
                          "--train-files", "0"]) == 2
+
+
+def test_a_set_with_a_missing_or_changed_part_is_repaired(small_mnist_dir, tmp_path, capsys):
+    output = tmp_path / "parquet"
+    args = ["--dataset", "mnist", "--data-dir", str(small_mnist_dir), "--output", str(output),
+            "--train-files", "2", "--val-files", "1"]
+    assert prepare.main(args) == 0
+    intact = {path.name: path.read_bytes() for path in output.glob("*/*.parquet")}
+    (output / "train" / "part-00001.parquet").unlink()
+    corrupt = output / "val" / "part-00000.parquet"
+    corrupt.write_bytes(corrupt.read_bytes()[:-10] + b"0123456789")
+    capsys.readouterr()
+    assert prepare.main(args) == 0
+    said = capsys.readouterr().out
+    assert "2 file(s) missing or changed" in said and "rewrote it" in said
+    assert {path.name: path.read_bytes() for path in output.glob("*/*.parquet")} == intact
+    manifest = json.loads((output / "manifest.json").read_text())
+    assert prepare.changed_files(pyarrow.fs.LocalFileSystem(), str(output), manifest) == []
+    assert prepare.main(args) == 0
+    assert "every file intact; nothing to do" in capsys.readouterr().out
+
+
+def test_manifest_paths_must_stay_inside_the_set():
+    assert prepare.is_inside("train/part-00000.parquet")
+    for outside in ("../elsewhere/part.parquet", "/etc/passwd", "s3://other/part.parquet",
+                    "train/../../x.parquet", ""):
+        assert not prepare.is_inside(outside), outside
