@@ -6,6 +6,7 @@ Ray Train would otherwise retry starting a worker group that can never be placed
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
@@ -52,6 +53,9 @@ def disconnect(timeout_s: float = 8.0) -> None:
     stopper = threading.Thread(target=ray.shutdown, name="ray-shutdown", daemon=True)
     stopper.start()
     stopper.join(timeout_s)
+    if stopper.is_alive():
+        # Ray calls ray.shutdown() again at interpreter exit, which would wait just the same.
+        atexit.unregister(ray.shutdown)
 
 
 def _connect(address: str | None, verbose: bool) -> bool:

@@ -78,6 +78,10 @@ class Console:
             self.start(event)
         elif event["event"] == "epoch":
             self.epoch(event)
+        elif event["event"] == "failure" and event.get("during_start"):
+            (why,) = event["workers"].values()
+            then = "giving up (no failures left)" if event["fatal"] else "restarting again"
+            self.line(f"Lost a worker while the group restarted ({why}): {then}.")
         elif event["event"] == "failure" and not event["fatal"]:  # a fatal one ends the run,
             lost = "; ".join(f"rank {rank}: {why}" for rank, why in event["workers"].items())
             self.line(f"Lost {len(event['workers'])} worker(s) ({lost}): restarting from the "

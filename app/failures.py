@@ -41,9 +41,23 @@ def not_retryable_cause(error: BaseException) -> BaseException | None:
     return None
 
 
+def _send(progress, event: dict) -> None:
+    if progress is None:
+        return
+    try:
+        progress.put(event, timeout=5)
+    except Exception:  # noqa: BLE001 - the console is best effort; training goes on
+        pass
+
+
 class AppFailurePolicy(DefaultFailurePolicy):
     """Ray Train's policy, except: errors in ``NOT_RETRYABLE`` end the run; a worker that dies
-    while the group starts is a worker-group failure (retried within ``max_failures``)."""
+    while the group starts is a worker-group failure (retried within ``max_failures``), and the
+    console hears of it (``progress``: the driver's progress queue, or None)."""
+
+    def __init__(self, failure_config, progress=None):
+        super().__init__(failure_config)
+        self.progress = progress
 
     def make_decision(self, training_failed_error: TrainingFailedError) -> FailureDecision:
         if isinstance(training_failed_error, WorkerGroupError) and not_retryable_cause(
@@ -55,9 +69,14 @@ class AppFailurePolicy(DefaultFailurePolicy):
         ):
             self._worker_group_failures += 1
             limit = self.failure_config.max_failures
-            if limit != -1 and self._worker_group_failures > limit:
-                return FailureDecision.RAISE
-            return FailureDecision.RETRY
+            decision = FailureDecision.RAISE if limit != -1 and \
+                self._worker_group_failures > limit else FailureDecision.RETRY
+            _send(self.progress, {
+                "event": "failure", "during_start": True,
+                "fatal": decision == FailureDecision.RAISE,
+                "workers": {"?": describe_failure(training_failed_error.controller_failure)},
+            })
+            return decision
         return super().make_decision(training_failed_error)
 
 
@@ -65,9 +84,12 @@ def describe_failure(error: BaseException) -> str:
     """A worker's failure in a few words, for the console."""
     # Ray Train wraps a dead worker's error in a failed health check.
     error = getattr(error, "health_check_failure", None) or error
+    text = str(error)
+    if "gloo" in text.lower() or "nccl" in text.lower():
+        return "its collective failed when a peer was lost"
     if find_cause(error, (RayActorError,)):
         text = str(error).lower()
-        if "node" in text and "worker process" not in text:
+        if "node" in text.lower() and "worker process" not in text.lower():
             return "its node left the cluster"
         return "its process died"
     cause = find_cause(error, NOT_RETRYABLE) or error
@@ -92,7 +114,4 @@ class FailureReporter(ray.train.UserCallback):
                         for rank, error in sorted(worker_exceptions.items())},
             "fatal": fatal,
         }
-        try:
-            self.progress.put(event, timeout=5)
-        except Exception:  # noqa: BLE001 - the console is best effort; training goes on
-            pass
+        _send(self.progress, event)

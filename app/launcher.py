@@ -70,7 +70,7 @@ class AppTorchTrainer(TorchTrainer):
         # Ray Train builds its default policy from FailureConfig and offers no hook to choose
         # another; the controller takes it as an argument (ray 2.60, pinned in pyproject.toml).
         controller_init_kwargs["failure_policy"] = AppFailurePolicy(
-            self.run_config.failure_config
+            self.run_config.failure_config, (self.train_loop_config or {}).get(PROGRESS_KEY)
         )
         return super()._initialize_and_run_controller(**controller_init_kwargs)
 

@@ -75,6 +75,15 @@ def run_exists(run: RunConfig) -> bool:
     return filesystem.get_file_info(snapshot).type == pyarrow.fs.FileType.File
 
 
+def make_private(uri: str) -> None:
+    """Create the folder ``uri`` readable and writable by its owner only, where the storage has
+    permissions (a local folder; object stores have policies instead)."""
+    filesystem, path = pyarrow.fs.FileSystem.from_uri(uri)
+    filesystem.create_dir(path, recursive=True)
+    if isinstance(filesystem, pyarrow.fs.LocalFileSystem):
+        os.chmod(path, 0o700)
+
+
 class RunLock:
     """Keeps a second driver off a run while one trains it: ``<run>/.lock``.
 
@@ -123,10 +132,9 @@ class RunLock:
 
     def acquire(self) -> None:
         try:
-            self.filesystem.create_dir(self.folder, recursive=True)
+            # The run's checkpoints and results are the owner's alone.
+            make_private(join(self.run.storage_path, self.run.name))
             if isinstance(self.filesystem, pyarrow.fs.LocalFileSystem):
-                # The run's checkpoints and results are the owner's alone.
-                os.chmod(self.folder, 0o700)
                 self._acquire_local()
             else:
                 holder = self._holder()

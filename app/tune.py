@@ -426,6 +426,8 @@ def _run(args, console: Console) -> int:
                     name=name, storage_path=storage_root, verbose=2 if args.verbose else 1
                 ),
             )
+            # Tune keeps pickled state here, which --resume and --show load: owner-only.
+            storage.make_private(sweep_uri)
             results.write_file(f"{sweep_uri}/{SWEEP_FILE}", json.dumps(plan).encode())
             console.line(f"Sweep {name}: {plan['num_trials']} trials, up to {concurrency} at a "
                          f"time; results in {sweep_uri}")

@@ -82,7 +82,7 @@ def _one_run(name: str, args, data_dir: Path, storage: Path, kills: int, rng) ->
     errors = [line for line in text.splitlines() if line.startswith(("error:", "terminated:"))]
     return {
         "name": name, "outcome": outcome, "exit": code, "kills": done_kills,
-        "restarts": text.count("restarting from the latest checkpoint"),
+        "restarts": text.count("restarting"),
         "accuracy": _final_accuracy(storage / name),
         "seconds": time.monotonic() - started, "error": errors[-1] if errors else "",
     }

@@ -142,11 +142,17 @@ def _loopback_config(sshd: Sshd, tmp_path: Path) -> tuple[Path, int]:
 
 def test_ray_up_submit_and_down_on_loopback(no_ray_running, sshd, tmp_path, mnist_dir):
     config, dashboard_port = _loopback_config(sshd, tmp_path)
+    # As the README says: the cluster's token, which the YAML's file mount copies to the node.
+    subprocess.run(["ray", "get-auth-token", "--generate"], env=_env(), check=True,
+                   capture_output=True, timeout=60)
     up = subprocess.run(["ray", "up", "-y", "--no-config-cache", str(config)], cwd=ROOT,
                         env=_env(), capture_output=True, text=True, timeout=300,
                         stdin=subprocess.DEVNULL)
     assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
     assert (sshd.home / "ray-elastic-train" / "app" / "train.py").is_file(), "file_mounts"
+    assert (sshd.home / ".ray" / "auth_token").read_bytes() == \
+        (Path.home() / ".ray" / "auth_token").read_bytes(), "the token reaches the node"
+    assert not (sshd.home / "ray-elastic-train" / ".venv").exists(), "venvs stay behind"
     try:
         job = subprocess.run(
             ["ray", "job", "submit", "--address", f"http://127.0.0.1:{dashboard_port}", "--",
@@ -231,3 +237,47 @@ def test_autoscaling_cluster_grows_for_an_elastic_run(no_ray_running, tmp_path):
                             timeout=60)
     # The head had no CPU: every worker ran on a node the autoscaler launched.
     assert "2 worker.cpu" in status.stdout, status.stdout
+
+
+def _start(args: list[str], home: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ray", "start", *args], env=_env(HOME=str(home), **env),
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+
+
+def test_a_node_joins_only_with_the_clusters_token(no_ray_running, tmp_path):
+    """What the YAMLs set up across machines: a head with RAY_AUTH_MODE=token, and worker nodes
+    that join with the head's token (file-mounted to ~/.ray/auth_token) and only with it."""
+    head_home, worker_home = tmp_path / "head", tmp_path / "worker"
+    head_home.mkdir()
+    worker_home.mkdir()
+    generated = subprocess.run(["ray", "get-auth-token", "--generate"],
+                               env=_env(HOME=str(head_home)), capture_output=True, text=True,
+                               timeout=60)
+    assert generated.returncode == 0, generated.stderr
+    token = head_home / ".ray" / "auth_token"
+    assert token.is_file()
+    port = free_port()
+    head = _start(["--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false"],
+                  head_home, RAY_AUTH_MODE="token")
+    assert head.returncode == 0, head.stdout[-2000:] + head.stderr[-2000:]
+    address = f"127.0.0.1:{port}"
+    worker_args = [f"--address={address}", "--num-cpus=1", "--resources={\"joined\": 1}"]
+
+    refused = _start(worker_args, worker_home, RAY_AUTH_MODE="token")
+    assert refused.returncode != 0, "a node without the cluster's token must not join"
+    assert "token" in (refused.stdout + refused.stderr).lower()
+
+    # The token where the YAMLs' file mount puts it.
+    (worker_home / ".ray").mkdir()
+    (worker_home / ".ray" / "auth_token").write_bytes(token.read_bytes())
+    joined = _start(worker_args, worker_home, RAY_AUTH_MODE="token")
+    assert joined.returncode == 0, joined.stdout[-2000:] + joined.stderr[-2000:]
+
+    count = subprocess.run(
+        [sys.executable, "-c", "import ray; ray.init(address='%s', log_to_driver=False); "
+         "print(sum(n['Resources'].get('joined', 0) for n in ray.nodes() if n['Alive']))"
+         % address],
+        env=_env(HOME=str(head_home), RAY_AUTH_MODE="token"), capture_output=True, text=True,
+        timeout=120,
+    )
+    assert count.stdout.strip().splitlines()[-1] == "1.0", count.stdout + count.stderr

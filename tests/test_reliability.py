@@ -217,3 +217,31 @@ def test_sweep_outcomes_say_what_happened():
     _check_same_flags({"epochs": 4, "num_workers": "1,2"}, {"epochs": 4})
     with pytest.raises(UserError, match="--epochs 5 .the sweep has 4."):
         _check_same_flags({"epochs": 4, "num_workers": "1,2"}, {"epochs": 5})
+
+
+def test_cluster_watch_survives_a_short_gcs_hiccup(monkeypatch):
+    import time
+
+    from app import cluster
+    from app.config import WorkersConfig
+
+    answers = iter([RuntimeError("GCS unavailable")] * 3 + [{"n": {"CPU": 2.0}}] * 100)
+
+    def flaky():
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(cluster, "_alive_nodes", flaky)
+    watch = cluster.ClusterWatch(WorkersConfig(2, 2), timeout_s=5, poll_s=0)
+    for _ in range(6):
+        watch.check(last_alive=time.monotonic())  # no error: 3 failed queries, then answers
+
+    monkeypatch.setattr(cluster, "_alive_nodes", lambda: (_ for _ in ()).throw(
+        RuntimeError("GCS unavailable")))
+    watch = cluster.ClusterWatch(WorkersConfig(2, 2), timeout_s=0.2, poll_s=0)
+    watch.check(last_alive=time.monotonic())
+    time.sleep(0.3)
+    with pytest.raises(UserError, match="has not answered for 0.2 s"):
+        watch.check(last_alive=time.monotonic())

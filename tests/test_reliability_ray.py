@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -127,6 +128,20 @@ sys.stdin.read()
 """], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
+        # Hung (a long timeout): SIGTERM still ends it within 10 s.
+        hung_dir = tmp_path / "hung"
+        hung_dir.mkdir()
+        hung = Background(["--address", cluster.address, "--dataset", "digits",
+                           "--num-workers", "2", "--placement-timeout", "300", "--name", "hung"],
+                          hung_dir)
+        time.sleep(10)  # connected, waiting for workers that cannot be placed
+        assert hung.process.poll() is None and "epoch  workers" not in hung.output()
+        hung.process.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        assert hung.process.wait(timeout=30) == 143, hung.output()
+        assert time.monotonic() - sent < 10
+        assert "terminated:" in hung.stderr_path.read_text()
+
         started = time.monotonic()
         result = _run("--address", cluster.address, "--dataset", "digits", "--num-workers", "2",
                       "--placement-timeout", "15", "--name", "stuck", cwd=tmp_path, timeout=150)
@@ -161,6 +176,40 @@ def test_world_size_sweep_with_asha_finishes_on_two_cpus(tmp_path):
     assert len(rows) == 2
     assert all(row.endswith("completed") for row in rows), rows
     assert {row.split()[3] for row in rows} == {"1", "2"}
+
+
+def test_sweep_resume_refuses_changed_flags_and_sigterm_stops_a_sweep(tmp_path):
+    """The flags that define a sweep cannot change on --resume; SIGTERM ends a sweep like
+    Ctrl-C (exit 143, one line, resumable)."""
+    command = [sys.executable, "-m", "app.tune", "--num-workers", "1", "--num-samples", "3",
+               "--epochs", "30", "--dataset", "digits", "--name", "long", "--scheduler", "fifo"]
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        sweep = subprocess.Popen(command, cwd=tmp_path, stdout=out, stderr=err)
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "runs" / "long" / "train_runs").glob("*/checkpoint_epoch_0001")):
+        assert time.monotonic() < deadline and sweep.poll() is None, (tmp_path / "err").read_text()
+        time.sleep(0.2)
+    sweep.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    assert sweep.wait(timeout=30) == 143, (tmp_path / "err").read_text()
+    assert time.monotonic() - sent < 10
+    assert "terminated: finished trials are kept" in (tmp_path / "err").read_text()
+
+    changed = subprocess.run(
+        [sys.executable, "-m", "app.tune", "--name", "long", "--resume", "--epochs", "5"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert changed.returncode == 2
+    assert "--epochs 5 (the sweep has 30)" in _one_line(changed.stderr)
+
+    foreign = tmp_path / "runs" / "foreign"
+    shutil.copytree(tmp_path / "runs" / "long", foreign)
+    (foreign / "sweep.json").unlink()
+    refused = subprocess.run([sys.executable, "-m", "app.tune", "--name", "foreign", "--show"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2
+    assert "refusing to load its Ray Tune state" in _one_line(refused.stderr)
+    assert oct((tmp_path / "runs" / "long").stat().st_mode & 0o777) == "0o700"
 
 
 def test_a_trial_that_cannot_be_placed_fails_with_the_reason(tmp_path):
