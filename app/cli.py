@@ -7,6 +7,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 
 from app.config import UserError
@@ -17,11 +18,21 @@ EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143  # 128 + SIGTERM, what a shell reports for a process SIGTERM ended
 
 
-class Terminated(BaseException):
+class Terminated(KeyboardInterrupt):
     """SIGTERM arrived (``ray job stop``, Kubernetes, Slurm, a spot shutdown): stop like Ctrl-C.
 
-    A BaseException, as KeyboardInterrupt is, so no ``except Exception`` on the way swallows it.
+    A KeyboardInterrupt, so every layer on the way treats it as Ctrl-C: Ray's waits re-raise
+    it (another type raised from a signal handler inside Ray's C code turns into SystemError),
+    and Ray Tune stops its sweep gracefully and returns, which is why ``was_terminated`` exists.
     """
+
+
+_terminated = threading.Event()
+
+
+def was_terminated() -> bool:
+    """Whether SIGTERM arrived, even if a layer (Ray Tune) turned it into a graceful return."""
+    return _terminated.is_set()
 
 
 RAY_NOISE = "A worker died or was killed while executing a task"
@@ -29,6 +40,7 @@ RAY_NOISE = "A worker died or was killed while executing a task"
 
 
 def _terminate(signum, frame):
+    _terminated.set()
     raise Terminated()
 
 
@@ -66,9 +78,9 @@ def run_main(
     except UserError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (Terminated)
+        if was_terminated():
+            print(f"terminated: {interrupted}", file=sys.stderr, flush=True)
+            return EXIT_TERMINATED
         print(f"interrupted: {interrupted}", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
-    except Terminated:
-        print(f"terminated: {interrupted}", file=sys.stderr, flush=True)
-        return EXIT_TERMINATED

@@ -18,7 +18,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.cli import EXIT_INTERRUPTED, HelpFormatter, Parser, run_main
+from app.cli import (
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    HelpFormatter,
+    Parser,
+    run_main,
+    was_terminated,
+)
 from app.storage import storage_uri
 from app.config import (
     DATASETS,
@@ -435,13 +442,15 @@ def _run(args, console: Console) -> int:
         report(sweep_uri, result_grid, plan["target_accuracy"], console)
         finished = result_grid.num_terminated + result_grid.num_errors
         if finished < plan["num_trials"]:
-            # Tune stops gracefully on Ctrl-C and returns what it has.
+            # Tune stops gracefully on Ctrl-C (and SIGTERM) and returns what it has.
+            how, code = ("terminated", EXIT_TERMINATED) if was_terminated() \
+                else ("interrupted", EXIT_INTERRUPTED)
             print(
-                f"interrupted: {finished} of {plan['num_trials']} trials finished; rerun with "
+                f"{how}: {finished} of {plan['num_trials']} trials finished; rerun with "
                 f"--name {name} --resume to complete the sweep",
                 file=sys.stderr, flush=True,
             )
-            return EXIT_INTERRUPTED
+            return code
         if result_grid.num_errors:
             print(f"error: {result_grid.num_errors} trial(s) failed; their logs are under "
                   f"{sweep_uri}", file=sys.stderr, flush=True)
