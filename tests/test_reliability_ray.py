@@ -4,7 +4,6 @@ worker kills, a second driver on the same run, unreachable clusters. Nothing of 
 
 from __future__ import annotations
 
-import json
 import random
 import shutil
 import signal
@@ -17,6 +16,7 @@ import psutil
 import pytest
 import torch
 from localnet import free_port
+from test_cli import _committed_epoch
 
 from app.config import RunConfig
 from app.storage import RunLock
@@ -59,15 +59,6 @@ class Background:
 
     def output(self) -> str:
         return self.stdout_path.read_text() + self.stderr_path.read_text()
-
-
-def _committed_epoch(run_dir: Path) -> int:
-    try:
-        snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return 0
-    latest = snapshot.get("latest_checkpoint_result") or {}
-    return int(latest.get("metrics", {}).get("epoch", 0))
 
 
 def test_sigterm_stops_like_ctrl_c_and_the_rerun_resumes(tmp_path):
