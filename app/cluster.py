@@ -255,8 +255,6 @@ class ClusterWatch:
         if now - self._last_poll < self.poll_s:
             return
         self._last_poll = now
-        if last_alive is not None and now - last_alive > self.timeout_s:
-            self._stalled()
         try:
             alive = _alive_nodes()
         except Exception as error:  # noqa: BLE001 - Ray raises various types while GCS restarts
@@ -274,7 +272,11 @@ class ClusterWatch:
         nodes = list(alive.values())
         if workers_that_fit(nodes, self.workers) >= self.workers.min_workers:
             self._short_since = None
+            # Room enough, yet no worker runs: something holds the resources.
+            if last_alive is not None and now - last_alive > self.timeout_s:
+                self._stalled()
             return
+        # Too few nodes: that is the reason to give, after its own timeout.
         if self._short_since is None:
             self._short_since = now
         elif now - self._short_since > self.timeout_s:

@@ -69,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     scaling.add_argument(
         "--placement-timeout", type=float, default=FaultToleranceConfig().placement_timeout_s,
         metavar="SECONDS",
-        help="stop with an error when the cluster cannot host the minimum number of workers "
-        "for this long (an embedded cluster is checked at once)",
+        help="stop with an error when the cluster cannot host the minimum number of workers, "
+        "or no worker has run (e.g. its resources are held elsewhere), for this long; it also "
+        "bounds a restart (an embedded cluster's size is checked at once)",
     )
     training = parser.add_argument_group("training")
     training.add_argument("--epochs", type=int, default=defaults.epochs, help="epochs in total")
