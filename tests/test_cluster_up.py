@@ -158,7 +158,9 @@ def test_ray_up_submit_and_down_on_loopback(no_ray_running, sshd, tmp_path, mnis
             ["ray", "job", "submit", "--address", f"http://127.0.0.1:{dashboard_port}", "--",
              "python", "-m", "app.train", "--dataset", "mnist", "--data-dir", str(mnist_dir),
              "--epochs", "1", "--storage-path", str(tmp_path / "runs"), "--name", "loopback"],
-            env=_env(), capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+            # The head requires the cluster's token (RAY_AUTH_MODE=token in the YAML).
+            env=_env(RAY_AUTH_MODE="token"), capture_output=True, text=True, timeout=300,
+            stdin=subprocess.DEVNULL,
         )
         assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
         assert "succeeded" in job.stdout + job.stderr

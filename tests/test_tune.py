@@ -75,7 +75,7 @@ def test_asha_stops_a_hopeless_trial_and_no_placement_group_leaks(
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = {float(row[2]): row for row in _table_rows(tmp_path / "runs" / "asha" / "trials.txt")}
     assert rows[0.7][-1] == "completed"
-    assert rows[1e-5][-2:] == ["stopped", "early"]
+    assert rows[1e-5][-5:] == ["stopped", "early", "by", "the", "scheduler"]
     assert int(rows[1e-5][6]) < 4
     # Stopped and finished trials released their workers: nothing of ours is left placed.
     time.sleep(2)
