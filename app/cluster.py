@@ -236,8 +236,8 @@ class ClusterWatch:
     - The cluster has had room for fewer than ``min_workers`` workers for ``timeout_s``: Ray
       Train would wait for them forever.
     - No worker has run for ``timeout_s`` (``last_alive``, the time of rank 0's last sign of
-      life): the worker group cannot be placed although the cluster is big enough, e.g. its
-      resources are reserved by another job's placement group or one Ray left behind.
+      life) and the run's placement group waits: the worker group cannot be placed although the
+      cluster is big enough, e.g. its resources are reserved by another job's placement group.
     - A failed node query (a GCS hiccup) is retried; only ``timeout_s`` of them in a row fail.
     """
 
@@ -272,9 +272,18 @@ class ClusterWatch:
         nodes = list(alive.values())
         if workers_that_fit(nodes, self.workers) >= self.workers.min_workers:
             self._short_since = None
-            # Room enough, yet no worker runs: something holds the resources.
+            # Room enough, yet no worker has run and this run's workers wait for resources:
+            # something else holds them. (Workers that got their resources and start slowly
+            # are not stalled.)
             if last_alive is not None and now - last_alive > self.timeout_s:
-                self._stalled()
+                from app.placement import waiting_for_resources
+
+                try:
+                    waiting = waiting_for_resources()
+                except Exception:  # noqa: BLE001 - a GCS hiccup: ask again at the next poll
+                    waiting = False
+                if waiting:
+                    self._stalled()
             return
         # Too few nodes: that is the reason to give, after its own timeout.
         if self._short_since is None:

@@ -142,6 +142,16 @@ def _bundles(entry: dict) -> str:
     return f"{{{first}}} x {len(shapes)}" if same else f"{len(shapes)} bundles"
 
 
+def waiting_for_resources() -> bool:
+    """Whether a placement group of this job waits for resources (a worker group that cannot
+    be placed), as opposed to one that holds them while its workers start."""
+    own_job = ray.get_runtime_context().get_job_id()
+    return any(
+        group_id.endswith(own_job) and entry.get("state") in ("PENDING", "RESCHEDULING")
+        for group_id, entry in ray.util.placement_group_table().items()
+    )
+
+
 def describe_reservations() -> str:
     """What the cluster's placement groups hold and wait for, in a line: the reason a worker
     group cannot be placed, usually."""
