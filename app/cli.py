@@ -58,6 +58,16 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def _end_process(code: int) -> None:
+    """Exit now, skipping the interpreter's teardown: with Ray's threads still around (a Train
+    run ended by the watchdog leaves its fit thread inside Ray's C++ client) that teardown can
+    crash with SIGSEGV after the run's last line was printed. Everything worth keeping is
+    written and Ray is disconnected by then."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run_main(
     parser: argparse.ArgumentParser,
     run: Callable[[argparse.Namespace, Console], int],
@@ -65,7 +75,18 @@ def run_main(
     interrupted: str,
 ) -> int:
     """Parse, run, and map a UserError to one stderr line and exit 2, Ctrl-C to exit 130 and
-    SIGTERM to exit 143 (each with one line saying what was kept)."""
+    SIGTERM to exit 143 (each with one line saying what was kept).
+
+    ``argv`` None means these are the process's own arguments (the command line, not a caller
+    in Python): the process then ends here, see ``_end_process``.
+    """
+    code = _run_main(parser, run, argv, interrupted)
+    if argv is None:
+        _end_process(code)
+    return code
+
+
+def _run_main(parser, run, argv, interrupted) -> int:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
     if not getattr(args, "verbose", False):

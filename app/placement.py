@@ -100,10 +100,18 @@ class PlacementGroupReaper(WorkerGroupCallback, ControllerCallback):
             logger.warning("Could not start the placement group guard", exc_info=True)
 
     def after_worker_group_start(self, worker_group) -> None:
-        handle = worker_group.get_worker_group_state().placement_group_handle
-        self._groups.append(handle.placement_group)
+        self.record(worker_group.get_worker_group_state().placement_group_handle.placement_group)
+
+    def record(self, group: PlacementGroup) -> None:
+        """Remember a worker group's placement group (and have the guard watch it)."""
+        self._groups.append(group)
         if self._guard is not None:
-            self._guard.watch.remote(handle.placement_group)
+            try:
+                # Waited for (once the guard is up, milliseconds): a call still queued when the
+                # controller dies would die with it.
+                ray.get(self._guard.watch.remote(group), timeout=30)
+            except Exception:  # noqa: BLE001 - the reaper still releases it on a graceful end
+                logger.warning("The placement group guard did not answer", exc_info=True)
 
     def before_worker_group_start(self, worker_group_context) -> None:
         self.release()

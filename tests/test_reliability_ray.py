@@ -292,39 +292,39 @@ def _train_workers():
             if any("RayTrainWorker" in part for part in (process.info["cmdline"] or []))]
 
 
+def _wait_for_workers(run: Background, exclude: set[int], timeout_s: float = 60):
+    """Training workers not in ``exclude`` (new ones), once there are any."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = [process for process in _train_workers() if process.pid not in exclude]
+        if found:
+            return found
+        assert run.process.poll() is None, "the run ended before the storm did:\n" + run.output()
+        time.sleep(0.05)
+    raise AssertionError("no training workers appeared:\n" + run.output())
+
+
 def test_repeated_kills_including_during_restarts_finish_the_run(tmp_path):
     """kill -9 of random workers, again while the group is restarting: every failure is one
     more retry, and the run finishes with each epoch trained once."""
-    args = ["--dataset", "digits", "--num-workers", "2", "--epochs", "30",
+    epochs = 40
+    args = ["--dataset", "digits", "--num-workers", "2", "--epochs", str(epochs),
             "--checkpoint-every-steps", "5", "--max-failures", "10", "--name", "storm"]
     run = Background(args, tmp_path)
     run.wait_for(lambda: "epoch  workers" in run.stdout_path.read_text())
     rng = random.Random(0)
-    kills = 0
-    for _ in range(3):
+    for _ in range(2):
         time.sleep(rng.uniform(2, 4))
-        victims = _train_workers()
-        if not victims or run.process.poll() is not None:
-            break
-        before = {process.pid for process in victims}
+        victims = _wait_for_workers(run, set())
         rng.choice(victims).kill()
-        kills += 1
         # Again as soon as the restarted group's workers exist (before they train).
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and run.process.poll() is None:
-            fresh = [p for p in _train_workers() if p.pid not in before]
-            if fresh:
-                fresh[0].kill()
-                kills += 1
-                break
-            time.sleep(0.05)
-    assert kills >= 4
+        _wait_for_workers(run, {process.pid for process in victims})[0].kill()
     assert run.process.wait(timeout=400) == 0, run.output()
     output = run.stdout_path.read_text()
     assert "Lost 1 worker(s)" in output
     assert "A worker died or was killed" not in run.output(), "Ray's paragraph is filtered"
     metrics = (tmp_path / "runs" / "storm" / "metrics.csv").read_text().splitlines()
-    assert [line.split(",")[0] for line in metrics[1:]] == [str(e) for e in range(1, 31)]
+    assert [line.split(",")[0] for line in metrics[1:]] == [str(e) for e in range(1, epochs + 1)]
 
 
 def test_a_second_driver_on_the_same_run_refuses(tmp_path):

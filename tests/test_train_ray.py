@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import sys
+import time
 
 import pytest
 import ray.cloudpickle
@@ -100,3 +101,40 @@ def test_rerun_with_the_same_name_resumes_at_the_next_epoch(ray_cluster, tmp_pat
     assert "All 3 epochs were already trained" in output
     assert third_reports == []  # nothing retrained
     assert third.history == second.history
+
+
+def test_reaper_releases_earlier_groups_and_the_guard_a_dead_controllers(ray_cluster):
+    """ray-project/ray#54305: a placement group a worker group left reserved is removed before
+    the next group starts; one whose controller was killed is removed by the guard."""
+    from ray.util.placement_group import placement_group, placement_group_table
+
+    from app.placement import PlacementGroupReaper
+
+    left_behind = placement_group([{"CPU": 1}])
+    ray.get(left_behind.ready())
+    reaper = PlacementGroupReaper()
+    reaper.record(left_behind)  # as after_worker_group_start does
+    reaper.before_worker_group_start(None)
+    assert placement_group_table(left_behind)["state"] == "REMOVED"
+
+    @ray.remote(num_cpus=0)
+    class Controller:
+        """Stands in for Ray Train's controller: the reaper's hooks run inside it."""
+
+        def start(self):
+            from app.placement import PlacementGroupReaper
+
+            self.reaper = PlacementGroupReaper(guard=True)
+            self.reaper.after_controller_start(None)
+            self.group = placement_group([{"CPU": 1}])
+            ray.get(self.group.ready())
+            self.reaper.record(self.group)
+            return self.group.id.hex()
+
+    controller = Controller.remote()
+    group_id = ray.get(controller.start.remote())
+    ray.kill(controller)  # as Tune kills a stopped trial, and its controller with it
+    deadline = time.monotonic() + 30
+    while placement_group_table().get(group_id, {}).get("state") != "REMOVED":
+        assert time.monotonic() < deadline, "the guard did not release the dead run's group"
+        time.sleep(0.2)
