@@ -321,7 +321,9 @@ def test_repeated_kills_including_during_restarts_finish_the_run(tmp_path):
         _wait_for_workers(run, {process.pid for process in victims})[0].kill()
     assert run.process.wait(timeout=400) == 0, run.output()
     output = run.stdout_path.read_text()
-    assert "Lost 1 worker(s)" in output
+    # Each failure is one line in the app's voice (a kill may also fail the surviving rank's
+    # collective, and a kill during a restart has a line of its own).
+    assert output.count("restarting") >= 2 and "Lost " in output, output
     assert "A worker died or was killed" not in run.output(), "Ray's paragraph is filtered"
     metrics = (tmp_path / "runs" / "storm" / "metrics.csv").read_text().splitlines()
     assert [line.split(",")[0] for line in metrics[1:]] == [str(e) for e in range(1, epochs + 1)]
