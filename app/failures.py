@@ -17,6 +17,7 @@ from ray.train.v2._internal.execution.failure_handling.failure_policy import Fai
 from ray.train.v2.api.exceptions import ControllerError, TrainingFailedError, WorkerGroupError
 
 from app.config import NOT_RETRYABLE
+from app.progress import send
 
 
 def find_cause(error: BaseException | None, types: tuple[type, ...]) -> BaseException | None:
@@ -41,15 +42,6 @@ def not_retryable_cause(error: BaseException) -> BaseException | None:
     return None
 
 
-def _send(progress, event: dict) -> None:
-    if progress is None:
-        return
-    try:
-        progress.put(event, timeout=5)
-    except Exception:  # noqa: BLE001 - the console is best effort; training goes on
-        pass
-
-
 class AppFailurePolicy(DefaultFailurePolicy):
     """Ray Train's policy, except: errors in ``NOT_RETRYABLE`` end the run; a worker that dies
     while the group starts is a worker-group failure (retried within ``max_failures``), and the
@@ -71,7 +63,7 @@ class AppFailurePolicy(DefaultFailurePolicy):
             limit = self.failure_config.max_failures
             decision = FailureDecision.RAISE if limit != -1 and \
                 self._worker_group_failures > limit else FailureDecision.RETRY
-            _send(self.progress, {
+            send(self.progress, {
                 "event": "failure", "during_start": True,
                 "fatal": decision == FailureDecision.RAISE,
                 "workers": {"?": describe_failure(training_failed_error.controller_failure)},
@@ -114,4 +106,4 @@ class FailureReporter(ray.train.UserCallback):
                         for rank, error in sorted(worker_exceptions.items())},
             "fatal": fatal,
         }
-        _send(self.progress, event)
+        send(self.progress, event)

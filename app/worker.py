@@ -19,6 +19,7 @@ import ray.train.torch
 import torch
 
 from app import batching, checkpoint, data
+from app.progress import send
 from app.batching import InMemoryData, TrainData
 from app.config import StorageFailure, TrainConfig
 from app.loop import Trainer, parameter_checksum
@@ -28,16 +29,6 @@ PROGRESS_KEY = "progress_queue"
 """Optional key of the worker config: a ray.util.queue.Queue that rank 0 sends progress to."""
 PARQUET_KEY = "parquet"
 """Key of the worker config holding the Parquet manifest's statistics (``Manifest.to_dict``)."""
-
-
-def _send(progress, event: dict[str, Any]) -> None:
-    """Progress for the driver's console; best effort, never a reason to stop training."""
-    if progress is None:
-        return
-    try:
-        progress.put(event, timeout=5)
-    except Exception:  # noqa: BLE001 - e.g. the driver is gone; its checkpoints are not
-        pass
 
 
 HEARTBEAT_S = 2.0
@@ -54,7 +45,7 @@ def _heartbeat(progress):
 
     def beat() -> None:
         while not stop.wait(HEARTBEAT_S):
-            _send(progress, {"event": "heartbeat"})
+            send(progress, {"event": "heartbeat"})
 
     thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
     thread.start()
@@ -111,7 +102,7 @@ def _restore(progress, rank: int) -> checkpoint.TrainingState | None:
         except checkpoint.UnreadableCheckpoint:
             continue
         if rank == 0:
-            _send(progress, {"event": "warning",
+            send(progress, {"event": "warning",
                              "message": f"{problem}: resuming from {candidate.path} instead."})
         return state
     raise StorageFailure(
@@ -160,7 +151,7 @@ def _train(config: TrainConfig, worker_config: dict[str, Any], progress) -> None
 
     reporter = _Reporter(trainer, rank, world_size, progress)
     if rank == 0:
-        _send(
+        send(
             progress,
             {
                 "event": "start",
@@ -229,7 +220,7 @@ class _Reporter:
         except OSError as error:  # disk full, no permission: a restart would fail the same way
             raise StorageFailure(f"cannot write the checkpoint {checkpoint_dir_name}: {error}") \
                 from None
-        _send(self.progress, {"event": metrics["kind"], **metrics})
+        send(self.progress, {"event": metrics["kind"], **metrics})
 
     def report_epoch(self, result, evaluation, model) -> None:
         state = self.trainer.state
