@@ -11,10 +11,33 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch.utils.data import Dataset, TensorDataset, default_collate
 from torch.utils.data.distributed import DistributedSampler
 
 from app.config import UserError
-from app.data import Split
+
+
+def rank_seed(seed: int, epoch: int, rank: int) -> int:
+    """The seed of a rank's random draws in an epoch (dropout, augmentation, a Parquet shard's
+    order): distinct per rank, reproducible per (seed, epoch, rank), so an epoch replayed
+    after a restart draws what it would have drawn undisturbed."""
+    return seed * 1_000_003 + epoch * 1_009 + rank
+
+
+def val_range(num_val: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The contiguous part of the validation split a rank scores; sizes differ by at most one
+    and the parts of all ranks cover the split exactly."""
+    return num_val * rank // world_size, num_val * (rank + 1) // world_size
+
+
+def rows(dataset: Dataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of ``indices`` as two batched tensors: one indexing per tensor for a
+    TensorDataset, else the items collated as a DataLoader would."""
+    if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:
+        inputs, targets = dataset.tensors
+        return inputs[indices], targets[indices]
+    inputs, targets = default_collate([dataset[int(index)] for index in indices])
+    return inputs, targets
 
 
 def check_batch_fits(global_batch_size: int, num_train: int, dataset: str) -> None:
@@ -28,10 +51,10 @@ def check_batch_fits(global_batch_size: int, num_train: int, dataset: str) -> No
 
 @dataclass(frozen=True)
 class TrainBatch:
-    images: torch.Tensor
-    """This rank's share of a global batch: normalised float images N x 1 x H x W."""
-    labels: torch.Tensor
-    """int64 class labels, N."""
+    inputs: torch.Tensor
+    """This rank's share of a global batch (N x the task's input shape)."""
+    targets: torch.Tensor
+    """N x the task's target shape."""
     global_size: int
     """Samples in the whole global batch, over all ranks: the loss is averaged over these."""
 
@@ -49,8 +72,8 @@ class TrainData(Protocol):
         ...
 
     def val_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's part of the validation split, as (images, labels); the parts of all
-        ranks together cover the split."""
+        """This rank's part of the validation split, as (inputs, targets); the parts of all
+        ranks together cover the split (``val_range``)."""
         ...
 
 
@@ -131,9 +154,9 @@ class GlobalBatchSampler(DistributedSampler):
 
 
 class InMemoryData:
-    """Both splits as tensors in this worker's memory; batches are index lookups."""
+    """Both splits in this worker's memory; batches are index lookups."""
 
-    def __init__(self, train: Split, val: Split, global_batch_size: int, world_size: int,
+    def __init__(self, train: Dataset, val: Dataset, global_batch_size: int, world_size: int,
                  rank: int, seed: int):
         self.train = train
         self.val = val
@@ -150,15 +173,9 @@ class InMemoryData:
         self.sampler.set_epoch(epoch)
         self.sampler.set_start_step(start_step)
         for batch in self.sampler:
-            yield TrainBatch(
-                self.train.images[batch.indices], self.train.labels[batch.indices],
-                batch.global_size,
-            )
+            yield TrainBatch(*rows(self.train, batch.indices), batch.global_size)
 
     def val_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        # A contiguous part per rank; sizes differ by at most one sample.
-        start = self.num_val * self.rank // self.world_size
-        end = self.num_val * (self.rank + 1) // self.world_size
+        start, end = val_range(self.num_val, self.rank, self.world_size)
         for offset in range(start, end, batch_size):
-            stop = min(offset + batch_size, end)
-            yield self.val.images[offset:stop], self.val.labels[offset:stop]
+            yield rows(self.val, torch.arange(offset, min(offset + batch_size, end)))

@@ -16,7 +16,8 @@ import torch
 
 STATE_FILE = "state.pt"
 HISTORY_FILE = "history.json"
-FORMAT_VERSION = 1
+SETTINGS_FILE = "settings.json"
+FORMAT_VERSION = 2
 """Layout of ``state.pt``; raised when it changes incompatibly, so an old app refuses a newer
 checkpoint by name instead of failing on a missing key."""
 
@@ -51,6 +52,8 @@ class TrainingState:
     """Per-epoch metrics of every epoch completed so far."""
     config: dict[str, Any] = field(default_factory=dict)
     """The TrainConfig the run was started with, as a dict."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """What the saved state depends on (``run_settings``): a rerun must match it."""
     format_version: int = FORMAT_VERSION
 
 
@@ -58,7 +61,8 @@ def save(state: TrainingState, directory: str | Path) -> None:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     torch.save(asdict(state), directory / STATE_FILE)
-    # A small readable copy, so results can be read without loading the weights.
+    # Small readable copies, so results and settings can be read without loading the weights.
+    (directory / SETTINGS_FILE).write_text(json.dumps(state.settings, indent=1))
     (directory / HISTORY_FILE).write_text(json.dumps(state.history, indent=1))
 
 
@@ -106,3 +110,85 @@ def age_order(name: str) -> tuple[int, float] | None:
 
 def load_history(directory: str | Path) -> list[dict[str, Any]]:
     return json.loads((Path(directory) / HISTORY_FILE).read_text())
+
+
+# --- what a resumed run must share with the run it resumes ------------------------------------
+
+FIXED_SETTINGS = {
+    "task": "--task",
+    "dataset": "--dataset",
+    "source": "--parquet",
+    "global_batch_size": "--global-batch-size",
+    "seed": "--seed",
+    "lr": "--lr",
+    "lr_decay": "--lr-decay",
+    "optimizer": "the task's optimiser",
+    "parameters": "the task's model",
+}
+"""Settings the saved state depends on, and the flag (or task part) that sets each. Everything
+else (--epochs, worker counts, precision, micro-batches, cluster and output flags) may change
+between reruns of a run."""
+
+
+def run_settings(config, task_name: str, dataset: str, optimizer: str | None = None,
+                 parameters: dict[str, list[int]] | None = None) -> dict[str, Any]:
+    """The settings of a run (``config``: a TrainConfig); ``optimizer`` and ``parameters``
+    are known only where the model is built (the workers)."""
+    settings = {
+        "task": config.task,
+        "task_name": task_name,
+        "dataset": dataset,
+        "source": "parquet" if config.data.parquet else "memory",
+        "global_batch_size": config.loop.global_batch_size,
+        "seed": config.loop.seed,
+        "lr": config.optim.lr,
+        "lr_decay": config.optim.lr_decay,
+    }
+    if optimizer is not None:
+        settings["optimizer"] = optimizer
+    if parameters is not None:
+        settings["parameters"] = parameters
+    return settings
+
+
+def parameter_shapes(model) -> dict[str, list[int]]:
+    return {name: list(parameter.shape) for name, parameter in model.state_dict().items()}
+
+
+def _describe(key: str, value: Any) -> str:
+    if key == "parameters":
+        return f"{len(value)} tensors" if isinstance(value, dict) else repr(value)
+    return repr(value)
+
+
+def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Each fixed setting both know and that differs, as '<flag> <now> (the run has <then>)'."""
+    found = []
+    for key, flag in FIXED_SETTINGS.items():
+        if key not in saved or key not in current or saved[key] == current[key]:
+            continue
+        if key == "parameters" and isinstance(saved[key], dict):
+            changed = sorted(set(saved[key]) ^ set(current[key])) or [
+                name for name in saved[key] if saved[key][name] != current[key][name]]
+            found.append(f"{flag} (parameter {changed[0]}: "
+                         f"{current[key].get(changed[0])} now, {saved[key].get(changed[0])} "
+                         "in the run)")
+            continue
+        found.append(f"{flag} {_describe(key, current[key])} "
+                     f"(the run has {_describe(key, saved[key])})")
+    return found
+
+
+def incompatibility(run_name: str, saved: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """The one-line refusal when ``current`` cannot resume a run saved with ``saved``."""
+    found = differences(saved, current)
+    if not found:
+        return None
+    return (f"run {run_name!r} was trained with other settings, which its checkpoints depend "
+            f"on: {'; '.join(found)}. Rerun with the run's settings, or start a new run "
+            "under another --name")
+
+
+def load_settings(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / SETTINGS_FILE
+    return json.loads(path.read_text()) if path.exists() else {}

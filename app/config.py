@@ -31,18 +31,16 @@ NOT_RETRYABLE = (UserError, TrainingDiverged, StorageFailure)
 """Worker errors that end a run at once, whatever ``--max-failures`` allows."""
 
 
-DATASETS = ("mnist", "fashion-mnist", "digits")
+DEFAULT_TASK = "mnist-convnet"
 PRECISIONS = ("auto", "fp32", "bf16")
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    dataset: str = "mnist"
-    """Which data set to train on: one of DATASETS."""
+    dataset: str = ""
+    """Which of the task's data sets to train on ("": its default, ``Task.build_datasets``)."""
     data_dir: str = "data"
-    """Folder holding the data set in torchvision's layout (``<data_dir>/MNIST/raw/...``)."""
-    download: bool = True
-    """Download with torchvision when the files are not in ``data_dir``."""
+    """Folder the task's data sets are read from (and downloaded to)."""
     parquet: str = ""
     """Folder or s3:// URI of a data set written by ``app.prepare``: when set, workers read it
     with Ray Data instead of loading ``dataset`` from ``data_dir`` (the name is the manifest's)."""
@@ -51,10 +49,6 @@ class DataConfig:
     (for data larger than the cluster's object store and spill disk)."""
 
     def __post_init__(self):
-        if self.dataset not in DATASETS:
-            raise UserError(
-                f"unknown dataset {self.dataset!r}: choose one of {', '.join(DATASETS)}"
-            )
         if not self.data_dir:
             raise UserError("data_dir must not be empty")
 
@@ -62,9 +56,10 @@ class DataConfig:
 @dataclass(frozen=True)
 class OptimConfig:
     lr: float = 0.5
-    """Adadelta learning rate (the reference ConvNet recipe)."""
+    """Learning rate given to the task's optimiser."""
     lr_decay: float = 0.7
-    """Multiply the learning rate by this after every epoch (StepLR gamma)."""
+    """Multiply the learning rate by this after every epoch (StepLR gamma), unless the task
+    builds its own scheduler."""
 
     def __post_init__(self):
         if not (math.isfinite(self.lr) and self.lr > 0):
@@ -109,7 +104,7 @@ class LoopConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     num_to_keep: int = 3
-    """Keep the best K checkpoints by validation accuracy (the latest is always kept too)."""
+    """Keep the best K checkpoints by the task's score (the latest is always kept too)."""
     every_steps: int = 0
     """Also checkpoint every N optimiser steps inside an epoch (0: at epoch ends only)."""
     preemption_check_steps: int = 10
@@ -130,6 +125,9 @@ class CheckpointConfig:
 class TrainConfig:
     """Everything the worker loop needs; nothing about where or on how many workers it runs."""
 
+    task: str = DEFAULT_TASK
+    """Reference of the task to train (``app.task``): a built-in name, ``module:ATTR`` or
+    ``/abs/path/file.py:ATTR``."""
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
@@ -141,6 +139,7 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
         return cls(
+            task=values.get("task", DEFAULT_TASK),
             data=DataConfig(**values.get("data", {})),
             optim=OptimConfig(**values.get("optim", {})),
             loop=LoopConfig(**values.get("loop", {})),

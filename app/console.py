@@ -6,7 +6,18 @@ import sys
 import time
 from typing import Any, TextIO
 
-_ROW = "{epoch:>7} {world:>8} {train_loss:>11} {val_loss:>9} {val_acc:>8} {throughput:>10} {seconds:>8}"
+from app.results import format_metric
+
+
+def _row(epoch, world, train_loss, val_loss, metrics, throughput, seconds) -> str:
+    """One line of the epoch table: a column per validation metric of the task."""
+    columns = "".join(f" {value:>{max(9, len(name))}}" for name, value in metrics)
+    return (f"{epoch:>7} {world:>8} {train_loss:>11} {val_loss:>9}{columns} {throughput:>10} "
+            f"{seconds:>8}")
+
+
+def _column_title(name: str) -> str:
+    return name.replace("val_accuracy", "val acc").replace("_", " ")
 
 
 class Console:
@@ -16,6 +27,7 @@ class Console:
         self.stream = stream if stream is not None else sys.stdout
         self.events: list[dict[str, Any]] = []
         self._header_shown = False
+        self._metrics: list[str] = []
 
     def line(self, text: str = "") -> None:
         print(text, file=self.stream, flush=True)
@@ -41,34 +53,30 @@ class Console:
             )
         else:
             self.line(
-                f"Training ConvNet on {event['dataset']}"
+                f"Training {event.get('task', 'the task')} on {event['dataset']}"
                 f"{' (Parquet, Ray Data)' if event.get('source') == 'parquet' else ''}: "
                 f"{event['num_train']:,} train / "
-                f"{event['num_val']:,} validation images, {event['epochs']} epochs, "
+                f"{event['num_val']:,} validation samples, {event['epochs']} epochs, "
                 f"{event['world_size']} {device} worker(s), "
                 f"{event['batch_per_worker']} samples per worker per step, {event['precision']}."
             )
         if not self._header_shown:
-            self.line(
-                _ROW.format(
-                    epoch="epoch", world="workers", train_loss="train loss", val_loss="val loss",
-                    val_acc="val acc", throughput="samples/s", seconds="seconds",
-                )
-            )
+            self._metrics = list(event.get("metrics", []))
+            self.line(_row(
+                "epoch", "workers", "train loss", "val loss",
+                [(_column_title(name), _column_title(name)) for name in self._metrics],
+                "samples/s", "seconds",
+            ))
             self._header_shown = True
 
     def epoch(self, metrics: dict[str, Any]) -> None:
-        self.line(
-            _ROW.format(
-                epoch=metrics["epoch"],
-                world=metrics["world_size"],
-                train_loss=f"{metrics['train_loss']:.4f}",
-                val_loss=f"{metrics['val_loss']:.4f}",
-                val_acc=f"{100 * metrics['val_accuracy']:.2f}%",
-                throughput=f"{metrics['samples_per_second']:,.0f}",
-                seconds=f"{metrics['epoch_seconds']:.1f}",
-            )
-        )
+        self.line(_row(
+            metrics["epoch"], metrics["world_size"], f"{metrics['train_loss']:.4f}",
+            f"{metrics['val_loss']:.4f}",
+            [(_column_title(name), format_metric(name, metrics[name])) for name in self._metrics
+             if name in metrics],
+            f"{metrics['samples_per_second']:,.0f}", f"{metrics['epoch_seconds']:.1f}",
+        ))
 
     def handle(self, event: dict[str, Any]) -> None:
         if event["event"] == "heartbeat":

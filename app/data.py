@@ -1,5 +1,5 @@
-"""Data sets as in-memory tensors: IDX parsing, MNIST/Fashion-MNIST lookup and download, and the
-offline fallback (scikit-learn's bundled 8x8 digits). No Ray here.
+"""The built-in tasks' data sets as in-memory tensors: IDX parsing, MNIST/Fashion-MNIST lookup and
+download, the offline fallback (scikit-learn's bundled 8x8 digits), and CIFAR-10. No Ray here.
 
 Images are parsed once into uint8 tensors and normalised once into float32; batches are then
 plain tensor indexing, with no per-sample transforms.
@@ -17,8 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils.data import TensorDataset
 
-from app.config import DataConfig, UserError
+from app.config import UserError
 
 
 class DataError(UserError):
@@ -39,28 +40,6 @@ _IDX_DTYPES = {
     0x0D: np.dtype(">f4"),
     0x0E: np.dtype(">f8"),
 }
-
-
-@dataclass(frozen=True)
-class Split:
-    """One split, ready for the model: normalised images N x 1 x 28 x 28 and int64 labels."""
-
-    images: torch.Tensor
-    labels: torch.Tensor
-
-    def __post_init__(self):
-        assert self.images.shape[0] == self.labels.shape[0]
-
-    def __len__(self) -> int:
-        return self.labels.shape[0]
-
-
-@dataclass(frozen=True)
-class Dataset:
-    name: str
-    train: Split
-    val: Split
-    num_classes: int = 10
 
 
 def read_idx(path: Path) -> np.ndarray:
@@ -149,21 +128,6 @@ def download(data_dir: str | Path, dataset: str, timeout_s: float = 15.0) -> Non
         socket.setdefaulttimeout(previous_timeout)
 
 
-def is_available(config: DataConfig) -> bool:
-    """Whether ``config.dataset`` can be loaded, downloading it first if allowed and needed."""
-    if config.dataset == "digits":
-        return True
-    if not missing_files(config.data_dir, config.dataset):
-        return True
-    if not config.download:
-        return False
-    try:
-        download(config.data_dir, config.dataset)
-    except DataError:
-        return False
-    return not missing_files(config.data_dir, config.dataset)
-
-
 def normalise(images: np.ndarray, mean: float, std: float) -> torch.Tensor:
     """uint8 N x H x W -> float32 N x 1 x H x W with the given pixel statistics (0-1 scale)."""
     # astype copies: the parsed arrays are read-only views of the file bytes.
@@ -232,21 +196,21 @@ def _digits() -> RawDataset:
     )
 
 
-def load_raw(config: DataConfig) -> RawDataset:
-    """The data set as stored (uint8), downloading it first if allowed and needed. Raises
-    DataError naming the file at fault."""
-    if config.dataset == "digits":
+def load_raw(dataset: str, data_dir: str | Path, download_missing: bool = True) -> RawDataset:
+    """``dataset`` (mnist, fashion-mnist, digits) as stored (uint8), downloading it first if
+    allowed and needed. Raises DataError naming the file at fault."""
+    if dataset == "digits":
         return _digits()
-    missing = missing_files(config.data_dir, config.dataset)
-    if missing and config.download:
-        download(config.data_dir, config.dataset)
-        missing = missing_files(config.data_dir, config.dataset)
+    missing = missing_files(data_dir, dataset)
+    if missing and download_missing:
+        download(data_dir, dataset)
+        missing = missing_files(data_dir, dataset)
     if missing:
         raise DataError(f"{missing[0]}: file not found (nor {missing[0].name}.gz)")
-    folder = raw_folder(config.data_dir, config.dataset)
-    mean, std = _TORCHVISION[config.dataset][1]
+    folder = raw_folder(data_dir, dataset)
+    mean, std = _TORCHVISION[dataset][1]
     return RawDataset(
-        name=config.dataset,
+        name=dataset,
         train=_read_idx_split(folder, "train"),
         val=_read_idx_split(folder, "val"),
         mean=mean,
@@ -254,14 +218,110 @@ def load_raw(config: DataConfig) -> RawDataset:
     )
 
 
-def load(config: DataConfig) -> Dataset:
-    """Load ``config.dataset`` into memory, normalised once, ready for the model."""
-    raw = load_raw(config)
+def load(dataset: str, data_dir: str | Path,
+         download_missing: bool = True) -> tuple[TensorDataset, TensorDataset]:
+    """``dataset`` in memory, normalised once: (training, validation) sets of
+    (float32 1 x 28 x 28 image, int64 label)."""
+    raw = load_raw(dataset, data_dir, download_missing)
 
-    def ready(split: RawSplit) -> Split:
-        return Split(
-            images=normalise(split.images, raw.mean, raw.std),
-            labels=torch.from_numpy(split.labels.astype(np.int64)),
-        )
+    def ready(split: RawSplit) -> TensorDataset:
+        return TensorDataset(normalise(split.images, raw.mean, raw.std),
+                             torch.from_numpy(split.labels.astype(np.int64)))
 
-    return Dataset(name=raw.name, train=ready(raw.train), val=ready(raw.val))
+    return ready(raw.train), ready(raw.val)
+
+
+# --- CIFAR-10 (torchvision's "cifar-10-batches-py" layout) --------------------------------------
+
+CIFAR10_FOLDER = "cifar-10-batches-py"
+CIFAR10_TRAIN_FILES = tuple(f"data_batch_{number}" for number in range(1, 6))
+CIFAR10_VAL_FILE = "test_batch"
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+
+
+def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(uint8 N x 3 x 32 x 32, int64 N) from one of CIFAR-10's pickled batch files.
+
+    Read with a restricted unpickler: the files hold only dicts, lists, bytes and numpy arrays,
+    and a data folder is not a place to run code from."""
+    import pickle
+
+    class _Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if module.startswith("numpy") and name in (
+                "_reconstruct", "ndarray", "dtype", "scalar", "_frombuffer"
+            ):
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(f"unexpected {module}.{name} in a CIFAR-10 batch file")
+
+    try:
+        with open(path, "rb") as stream:
+            batch = _Unpickler(stream, encoding="latin1").load()
+        images = np.asarray(batch["data"], dtype=np.uint8)
+        labels = np.asarray(batch["labels"], dtype=np.int64)
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found") from None
+    except (OSError, EOFError, KeyError, TypeError, ValueError, pickle.UnpicklingError) as error:
+        raise DataError(f"{path}: not a CIFAR-10 batch file ({error}); delete it and download "
+                        "again") from None
+    if images.ndim != 2 or images.shape[1] != 3 * 32 * 32 or len(labels) != len(images):
+        raise DataError(f"{path}: expected N x 3072 pixels and N labels, found "
+                        f"{images.shape} and {labels.shape}")
+    if labels.size and (labels.min() < 0 or labels.max() > 9):
+        raise DataError(f"{path}: labels must be 0-9")
+    return images.reshape(-1, 3, 32, 32), labels
+
+
+def write_cifar_batch(path: Path, images: np.ndarray, labels: np.ndarray) -> None:
+    """Write uint8 N x 3 x 32 x 32 images and their labels as a CIFAR-10 batch file."""
+    import pickle
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    batch = {"data": np.ascontiguousarray(images, dtype=np.uint8).reshape(len(images), -1),
+             "labels": [int(label) for label in labels]}
+    path.write_bytes(pickle.dumps(batch))
+
+
+def _download_cifar10(data_dir: str | Path, timeout_s: float = 60.0) -> None:
+    import torchvision
+    from filelock import FileLock
+
+    Path(data_dir).mkdir(parents=True, exist_ok=True)
+    previous_timeout = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(timeout_s)
+    try:
+        with FileLock(str(Path(data_dir) / ".download.lock")), open(
+            os.devnull, "w"
+        ) as devnull, contextlib.redirect_stdout(devnull):
+            torchvision.datasets.CIFAR10(root=str(data_dir), train=True, download=True)
+    except Exception as error:  # noqa: BLE001 - torchvision raises many types
+        raise DataError(
+            f"could not download CIFAR-10 into {data_dir} ({type(error).__name__}); put its "
+            f"batch files in {Path(data_dir) / CIFAR10_FOLDER} or run where the internet is "
+            "reachable"
+        ) from None
+    finally:
+        socket.setdefaulttimeout(previous_timeout)
+
+
+def load_cifar10(data_dir: str | Path,
+                 download_missing: bool = True) -> tuple[TensorDataset, TensorDataset]:
+    """CIFAR-10 from ``<data_dir>/cifar-10-batches-py`` (downloaded there when missing and
+    allowed), normalised once: (float32 3 x 32 x 32 image, int64 label) sets."""
+    folder = Path(data_dir) / CIFAR10_FOLDER
+    names = (*CIFAR10_TRAIN_FILES, CIFAR10_VAL_FILE)
+    if download_missing and not all((folder / name).exists() for name in names):
+        _download_cifar10(data_dir)
+    train = [_read_cifar_batch(folder / name) for name in CIFAR10_TRAIN_FILES]
+    val_images, val_labels = _read_cifar_batch(folder / CIFAR10_VAL_FILE)
+    mean = torch.tensor(CIFAR10_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(CIFAR10_STD).view(1, 3, 1, 1)
+
+    def ready(images: np.ndarray, labels: np.ndarray) -> TensorDataset:
+        pixels = torch.from_numpy(images.astype(np.float32)).div_(255.0)
+        return TensorDataset(((pixels - mean) / std).contiguous(), torch.from_numpy(labels))
+
+    return (ready(np.concatenate([images for images, _ in train]),
+                  np.concatenate([labels for _, labels in train])),
+            ready(val_images, val_labels))

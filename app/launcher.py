@@ -54,8 +54,8 @@ class RunSummary:
     """Folder (or URI) of the run: checkpoints, metrics.csv and curves.png are under it."""
     history: list[dict[str, Any]]
     """Per-epoch metrics of every epoch trained, across resumes."""
-    best_accuracy: float
-    best_epoch: int
+    best_metrics: dict[str, Any]
+    """The reported metrics of the best checkpoint by the task's score (``epoch``, ``val_*``)."""
     best_checkpoint: str
     latest_checkpoint: str
     metrics_uri: str
@@ -270,8 +270,7 @@ def _summarise(result: ray.train.Result) -> RunSummary:
     return RunSummary(
         run_uri=run_uri,
         history=history,
-        best_accuracy=best_metrics["val_accuracy"],
-        best_epoch=best_metrics["epoch"],
+        best_metrics=best_metrics,
         best_checkpoint=_uri(best_checkpoint.filesystem, best_checkpoint.path),
         latest_checkpoint=_uri(latest.filesystem, latest.path),
         metrics_uri=metrics_uri,

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from app.batching import TrainBatch, TrainData
+from app.batching import TrainBatch, TrainData, rank_seed
 from app.checkpoint import TrainingState
-from app.config import TrainConfig, TrainingDiverged
+from app.config import TrainConfig, TrainingDiverged, UserError
+from app.task import Task
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,13 @@ class EpochResult:
 @dataclass(frozen=True)
 class Evaluation:
     loss: float
-    accuracy: float
+    """Mean validation loss over the whole split (all ranks)."""
+    metrics: dict[str, float]
+    """``val_<name>`` for each of the task's metrics: its mean over the whole split."""
     num_samples: int
+
+    def as_metrics(self) -> dict[str, float]:
+        return {"val_loss": self.loss, **self.metrics}
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
@@ -66,6 +71,24 @@ def parameter_checksum(model: nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
+def _fp32(output):
+    """Autocast outputs are bf16; losses and metrics are computed in fp32."""
+    return output.float() if torch.is_floating_point(output) else output
+
+
+def score_batch(task: Task, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """[loss sum, each metric's sum] over one batch, float64, on the output's device."""
+    count = len(targets)
+    values = [task.loss(output, targets).double() * count]
+    for name, metric in task.metrics.items():
+        per_sample = metric(output, targets)
+        if per_sample.shape[:1] != (count,):
+            raise UserError(f"task {task.name}: metric {name!r} must give one value per "
+                             f"sample ({count}), gave shape {tuple(per_sample.shape)}")
+        values.append(per_sample.double().sum())
+    return torch.stack(values)
+
+
 def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -74,11 +97,13 @@ def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
 
 
 class Trainer:
-    """Trains ``model`` (already wrapped by DDP when world_size > 1) on ``data``."""
+    """Trains ``model`` (already wrapped by DDP when world_size > 1) on ``data``, with the
+    task's loss, optimiser and metrics; everything else is the task's business."""
 
     def __init__(
         self,
         config: TrainConfig,
+        task: Task,
         model: nn.Module,
         data: TrainData,
         device: torch.device,
@@ -87,15 +112,18 @@ class Trainer:
         state: TrainingState | None = None,
     ):
         self.config = config
+        self.task = task
         self.model = model
         self.data = data
         self.device = device
         self.rank = rank
         self.world_size = world_size
         self.precision = resolve_precision(config.loop.precision, device)
-        self.optimizer = torch.optim.Adadelta(model.parameters(), lr=config.optim.lr)
-        self.scheduler = torch.optim.lr_scheduler.StepLR(
-            self.optimizer, step_size=1, gamma=config.optim.lr_decay
+        self.optimizer = task.build_optimizer(model.parameters(), config.optim.lr)
+        self.scheduler = (
+            task.build_scheduler(self.optimizer, config.loop.epochs) if task.build_scheduler
+            else torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1,
+                                                 gamma=config.optim.lr_decay)
         )
         self.state = state or TrainingState(
             global_batch_size=config.loop.global_batch_size, config=config.to_dict()
@@ -105,14 +133,14 @@ class Trainer:
             self.optimizer.load_state_dict(state.optimizer)
             self.scheduler.load_state_dict(state.scheduler)
 
-    def _seed_dropout(self, epoch: int) -> None:
-        # Dropout masks: distinct per rank, reproducible per (seed, epoch, rank), so an epoch
-        # replayed after a restart draws the masks it would have drawn undisturbed. Mid-epoch,
-        # the exact RNG state of each rank is restored instead when the world size is unchanged.
+    def _seed_rank(self, epoch: int) -> None:
+        # Dropout masks and augmentations come from torch's RNG, seeded per (seed, epoch, rank).
+        # Mid-epoch, the exact RNG state of each rank is restored instead when the world size
+        # is unchanged.
         if self.state.epoch_step > 0 and len(self.state.rng_states) == self.world_size:
             torch.set_rng_state(self.state.rng_states[self.rank])
         else:
-            torch.manual_seed(self.config.loop.seed * 1_000_003 + epoch * 1_009 + self.rank)
+            torch.manual_seed(rank_seed(self.config.loop.seed, epoch, self.rank))
 
     @property
     def epochs_done(self) -> int:
@@ -125,28 +153,31 @@ class Trainer:
 
     def _micro_batches(self, batch: TrainBatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
         limit = self.config.loop.max_batch_per_worker
-        if limit == 0 or len(batch.labels) <= limit:
-            return [(batch.images, batch.labels)]
-        return list(zip(torch.split(batch.images, limit), torch.split(batch.labels, limit)))
+        if limit == 0 or len(batch.targets) <= limit:
+            return [(batch.inputs, batch.targets)]
+        return list(zip(torch.split(batch.inputs, limit), torch.split(batch.targets, limit)))
 
     def _run_batch(self, batch: TrainBatch) -> torch.Tensor:
         """One optimiser step on this rank's share of a global batch; returns its loss sum."""
         self.optimizer.zero_grad(set_to_none=True)
         micro_batches = self._micro_batches(batch)
         loss_sum = torch.zeros((), device=self.device)
-        for position, (images, labels) in enumerate(micro_batches):
-            images = images.to(self.device, non_blocking=True)
-            labels = labels.to(self.device, non_blocking=True)
+        for position, (inputs, targets) in enumerate(micro_batches):
+            inputs = inputs.to(self.device, non_blocking=True)
+            targets = targets.to(self.device, non_blocking=True)
+            if self.task.augment is not None:
+                inputs = self.task.augment(inputs)
             is_last = position == len(micro_batches) - 1
             # Gradients of all but the last micro-batch accumulate locally; DDP all-reduces once.
             sync = contextlib.nullcontext() if is_last or not hasattr(self.model, "no_sync") \
                 else self.model.no_sync()
             with sync:
                 with self._autocast():
-                    output = self.model(images)
-                micro_loss = F.nll_loss(output.float(), labels, reduction="sum")
-                # Summed per rank and scaled so DDP's mean over ranks is the mean over the whole
-                # global batch, however it was split: world-size-invariant gradients.
+                    output = self.model(inputs)
+                # The task's batch mean, made a sum over this rank's samples and scaled so DDP's
+                # mean over ranks is the mean over the whole global batch, however it was split:
+                # world-size-invariant gradients.
+                micro_loss = self.task.loss(_fp32(output), targets) * len(targets)
                 (micro_loss * (self.world_size / batch.global_size)).backward()
             loss_sum += micro_loss.detach()
         self._check_finite_gradient()
@@ -184,7 +215,7 @@ class Trainer:
         """Train the rest of the current epoch; ``after_step`` runs after every step (on every
         rank, so it may checkpoint) and its time is not counted as training time."""
         epoch = self.state.epoch
-        self._seed_dropout(epoch)
+        self._seed_rank(epoch)
         self.model.train()
         # A resumed epoch carries on from the checkpoint's sums; rank 0 holds the global part.
         resumed_loss = self.state.epoch_loss_sum if self.rank == 0 else 0.0
@@ -220,26 +251,27 @@ class Trainer:
 
     @torch.inference_mode()
     def evaluate(self) -> Evaluation:
-        """Loss and accuracy over the validation split, each rank scoring its part."""
+        """The loss and the task's metrics over the validation split, each rank scoring its
+        part; exact means over the whole split."""
         model = unwrap(self.model)
         model.eval()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        correct = torch.zeros((), dtype=torch.int64, device=self.device)
+        names = list(self.task.metrics)
+        # Sums in float64 on the device, one host sync at the end.
+        sums = torch.zeros(1 + len(names), dtype=torch.float64, device=self.device)
         count = 0
-        for images, labels in self.data.val_batches(self.config.loop.eval_batch_size):
-            images = images.to(self.device, non_blocking=True)
-            labels = labels.to(self.device, non_blocking=True)
+        for inputs, targets in self.data.val_batches(self.config.loop.eval_batch_size):
+            inputs = inputs.to(self.device, non_blocking=True)
+            targets = targets.to(self.device, non_blocking=True)
             with self._autocast():
-                output = model(images).float()
-            loss_sum += F.nll_loss(output, labels, reduction="sum")
-            correct += (output.argmax(dim=1) == labels).sum()
-            count += len(labels)
-        total_loss, total_correct, total = _all_reduce_sum(
-            [loss_sum.item(), float(correct.item()), float(count)], self.device
-        )
+                output = _fp32(model(inputs))
+            sums += score_batch(self.task, output, targets)
+            count += len(targets)
+        totals = _all_reduce_sum([*sums.tolist(), float(count)], self.device)
+        total = max(totals[-1], 1.0)
         return Evaluation(
-            loss=total_loss / max(total, 1), accuracy=total_correct / max(total, 1),
-            num_samples=int(total),
+            loss=totals[0] / total,
+            metrics={f"val_{name}": value / total for name, value in zip(names, totals[1:-1])},
+            num_samples=int(totals[-1]),
         )
 
     def snapshot(self) -> TrainingState:

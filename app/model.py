@@ -1,4 +1,9 @@
-"""The reference ConvNet for 28x28 greyscale digits (the PyTorch MNIST example's network)."""
+"""The networks of the built-in tasks (no Ray, no torch.distributed here).
+
+``ConvNet`` is the seed's network: Mastering PyTorch, chapter 11 (``convnet_distributed.py``).
+``ExamplesConvNet`` is the larger network of PyTorch's MNIST example, kept for comparison.
+``cifar_resnet18`` is torchvision's ResNet-18 adapted to 32x32 images.
+"""
 
 import torch
 from torch import nn
@@ -6,7 +11,32 @@ from torch.nn import functional as F
 
 
 class ConvNet(nn.Module):
-    """Two 3x3 convolutions, max-pool, dropout, two linear layers; outputs log-probabilities."""
+    """The book's digit classifier: two 3x3 convolutions (16, 32 channels), max-pool,
+    Dropout2d(0.10), Linear(4608, 64), Dropout2d(0.25), Linear(64, 10); log-probabilities."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.cn1 = nn.Conv2d(1, 16, 3, 1)
+        self.cn2 = nn.Conv2d(16, 32, 3, 1)
+        self.dp1 = nn.Dropout2d(0.10)
+        self.dp2 = nn.Dropout2d(0.25)
+        self.fc1 = nn.Linear(4608, 64)
+        self.fc2 = nn.Linear(64, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.cn1(x))
+        x = F.relu(self.cn2(x))
+        x = F.max_pool2d(x, 2)
+        x = self.dp1(x)
+        x = torch.flatten(x, 1)
+        x = F.relu(self.fc1(x))
+        x = self.dp2(x)
+        return F.log_softmax(self.fc2(x), dim=1)
+
+
+class ExamplesConvNet(nn.Module):
+    """PyTorch's MNIST example network (32/64 channels, 9216 -> 128): about four times the
+    compute per sample of ``ConvNet``."""
 
     def __init__(self, num_classes: int = 10):
         super().__init__()
@@ -26,3 +56,14 @@ class ConvNet(nn.Module):
         x = F.relu(self.fc1(x))
         x = self.dropout2(x)
         return F.log_softmax(self.fc2(x), dim=1)
+
+
+def cifar_resnet18(num_classes: int = 10) -> nn.Module:
+    """torchvision's ResNet-18 for 32x32 inputs: a 3x3 stride-1 stem and no max-pool (the
+    ImageNet stem would shrink a CIFAR image to 8x8 before the first block)."""
+    from torchvision.models import resnet18
+
+    model = resnet18(num_classes=num_classes)
+    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    model.maxpool = nn.Identity()
+    return model

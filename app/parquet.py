@@ -20,9 +20,9 @@ import pyarrow.fs
 import pyarrow.parquet as pq
 import torch
 
-from app.batching import TrainBatch
+from app.batching import TrainBatch, rank_seed, val_range
 from app.config import DataConfig, UserError
-from app.prepare import FORMAT, MANIFEST, NUM_CLASSES, SCHEMA, changed_files, is_inside
+from app.prepare import FORMAT, MANIFEST, TensorSpec, changed_files, is_inside, schema
 
 SHUFFLE_BUFFER_ROWS = 2_000
 """Rows each worker shuffles locally on top of the per-epoch file/block order."""
@@ -31,10 +31,11 @@ SHUFFLE_BUFFER_ROWS = 2_000
 @dataclass(frozen=True)
 class Manifest:
     uri: str
+    task: str
+    """Name of the task whose data set this is."""
     dataset: str
-    mean: float
-    std: float
-    image_shape: tuple[int, int]
+    input: TensorSpec
+    target: TensorSpec
     num_train: int
     num_val: int
     train_files: tuple[str, ...]
@@ -43,8 +44,9 @@ class Manifest:
 
     def to_dict(self) -> dict:
         """The primitives the workers need (they do not re-read the manifest)."""
-        return {"dataset": self.dataset, "mean": self.mean, "std": self.std,
-                "num_train": self.num_train, "num_val": self.num_val}
+        return {"dataset": self.dataset, "input": self.input.to_dict(),
+                "target": self.target.to_dict(), "num_train": self.num_train,
+                "num_val": self.num_val}
 
 
 def _storage_error(uri: str, error: BaseException) -> UserError:
@@ -76,7 +78,7 @@ def open_manifest(uri: str, verify: bool = False) -> Manifest:
     """The data set at ``uri``, checked: one line naming the problem otherwise.
 
     Always: the manifest, that its paths stay inside the set, that every file is there with our
-    schema and labels the model can predict (from each file's footer). With ``verify``, also
+    schema (the columns its dtypes and shapes make, from each file's footer). With ``verify``, also
     every file's SHA-256 against the manifest (reads all the data).
     """
     filesystem, root = _filesystem(uri)
@@ -117,8 +119,8 @@ def open_manifest(uri: str, verify: bool = False) -> Manifest:
         files = {name: [entry["path"] for entry in split["files"]]
                  for name, split in splits.items()}
         manifest = Manifest(
-            uri=uri, dataset=values["dataset"], mean=float(values["mean"]),
-            std=float(values["std"]), image_shape=tuple(values["image_shape"]),
+            uri=uri, task=str(values["task"]), dataset=str(values["dataset"]),
+            input=_spec(values["input"]), target=_spec(values["target"]),
             num_train=int(splits["train"]["rows"]), num_val=int(splits["val"]["rows"]),
             train_files=tuple(_uri(uri, path) for path in files["train"]),
             val_files=tuple(_uri(uri, path) for path in files["val"]),
@@ -147,22 +149,19 @@ def open_manifest(uri: str, verify: bool = False) -> Manifest:
     return manifest
 
 
-def _label_range(metadata) -> tuple[int, int] | None:
-    """(min, max) of the label column from a file's row-group statistics, if recorded."""
-    column = SCHEMA.get_field_index("label")
-    low, high = None, None
-    for group in range(metadata.num_row_groups):
-        statistics = metadata.row_group(group).column(column).statistics
-        if statistics is None or not statistics.has_min_max:
-            return None
-        low = statistics.min if low is None else min(low, statistics.min)
-        high = statistics.max if high is None else max(high, statistics.max)
-    return None if low is None else (low, high)
+def _spec(values: dict) -> TensorSpec:
+    from app.prepare import DTYPES
+
+    spec = TensorSpec(str(values["dtype"]), tuple(int(size) for size in values["shape"]))
+    if spec.dtype not in DTYPES or any(size < 0 for size in spec.shape):
+        raise ValueError(f"tensor {values}")
+    return spec
 
 
 def _check_files(manifest: Manifest, filesystem, root: str, files: dict[str, list[str]]):
-    """Every listed file is there, with our schema and labels in the model's range (footers
-    only: no data is read)."""
+    """Every listed file is there, with the columns the manifest's dtypes and shapes make
+    (footers only: no data is read)."""
+    expected = schema(manifest.input, manifest.target)
     paths = [f"{root}/{path}" for split in files.values() for path in split]
     try:
         infos = filesystem.get_file_info(paths)
@@ -179,18 +178,12 @@ def _check_files(manifest: Manifest, filesystem, root: str, files: dict[str, lis
                     metadata = pq.read_metadata(handle)
             except pa.ArrowInvalid as error:
                 raise UserError(f"{path} is not a readable Parquet file: {error}") from None
-            schema = metadata.schema.to_arrow_schema()
-            if not schema.remove_metadata().equals(SCHEMA):
+            found = metadata.schema.to_arrow_schema()
+            if not found.remove_metadata().equals(expected):
                 raise UserError(
-                    f"{path} has columns ({', '.join(f'{f.name}: {f.type}' for f in schema)}); "
-                    f"expected ({', '.join(f'{f.name}: {f.type}' for f in SCHEMA)}) as "
-                    "app.prepare writes them"
-                )
-            labels = _label_range(metadata)
-            if labels is not None and labels[1] >= NUM_CLASSES:
-                raise UserError(
-                    f"{path} has labels up to {labels[1]}, but the model predicts "
-                    f"{NUM_CLASSES} classes (0-{NUM_CLASSES - 1})"
+                    f"{path} has columns ({', '.join(f'{f.name}: {f.type}' for f in found)}); "
+                    f"expected ({', '.join(f'{f.name}: {f.type}' for f in expected)}) as "
+                    "app.prepare writes them for its manifest"
                 )
     except OSError as error:
         raise _storage_error(manifest.uri, error) from None
@@ -230,26 +223,22 @@ def data_config():
     return ray.train.DataConfig(datasets_to_split=["train"])
 
 
-def _to_tensors(table: pa.Table) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(uint8 images N x 1 x 28 x 28, int64 labels, int64 ids), without a copy per row."""
-    images = table.column("image").combine_chunks()
-    width = images.type.byte_width
-    pixels = np.frombuffer(images.buffers()[1], dtype=np.uint8,
-                           count=len(images) * width, offset=images.offset * width)
-    side = round(width ** 0.5)
+def to_tensors(table: pa.Table, input_spec: TensorSpec, target_spec: TensorSpec
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(inputs, targets, int64 ids) of a table of app.prepare's columns."""
     return (
-        torch.from_numpy(pixels.reshape(len(images), 1, side, side).copy()),
-        torch.from_numpy(table.column("label").to_numpy().astype(np.int64)),
+        input_spec.decode(table.column("input")),
+        target_spec.decode(table.column("target")),
         torch.from_numpy(table.column("id").to_numpy().astype(np.int64)),
     )
 
 
-def _collate_fn():
+def _collate_fn(input_spec: TensorSpec, target_spec: TensorSpec):
     from ray.data.collate_fn import ArrowBatchCollateFn
 
     class ToTensors(ArrowBatchCollateFn):
         def __call__(self, table: pa.Table):
-            return _to_tensors(table)
+            return to_tensors(table, input_spec, target_spec)
 
     return ToTensors()
 
@@ -274,8 +263,6 @@ class ShardData:
                  world_size: int, rank: int, seed: int, stream: bool = False):
         self.train_shard = train_shard
         self.val_shard = val_shard
-        self.mean = stats["mean"]
-        self.std = stats["std"]
         self.num_train = stats["num_train"]
         self.num_val = stats["num_val"]
         self.world_size = world_size
@@ -283,16 +270,12 @@ class ShardData:
         self.seed = seed
         self.stream = stream
         self.batch_size = global_batch_size // world_size
-        self.collate_fn = _collate_fn()
+        self.collate_fn = _collate_fn(_spec(stats["input"]), _spec(stats["target"]))
         self.seen_ids: list[torch.Tensor] | None = None
         """When a list, the ids of every training sample this rank yields are appended."""
 
-    def _normalise(self, pixels: torch.Tensor) -> torch.Tensor:
-        # The arithmetic of data.normalise, so both paths feed the model the same values.
-        return (pixels.to(torch.float32).div_(255.0) - self.mean) / self.std
-
     def _epoch_seed(self, epoch: int) -> int:
-        return self.seed * 1_000_003 + epoch * 1_009 + self.rank
+        return rank_seed(self.seed, epoch, self.rank)
 
     def _streamed(self, epoch: int) -> Iterator[tuple[torch.Tensor, ...]]:
         return self.train_shard.iter_torch_batches(
@@ -304,34 +287,33 @@ class ShardData:
     def _cached(self, epoch: int) -> Iterator[tuple[torch.Tensor, ...]]:
         parts = list(self.train_shard.iter_torch_batches(batch_size=4_096,
                                                          collate_fn=self.collate_fn))
-        pixels, labels, ids = (torch.cat(column) for column in zip(*parts, strict=True))
-        order = torch.randperm(len(labels),
+        inputs, targets, ids = (torch.cat(column) for column in zip(*parts, strict=True))
+        order = torch.randperm(len(targets),
                                generator=torch.Generator().manual_seed(self._epoch_seed(epoch)))
         for start in range(0, len(order), self.batch_size):
             chosen = order[start:start + self.batch_size]
-            yield pixels[chosen], labels[chosen], ids[chosen]
+            yield inputs[chosen], targets[chosen], ids[chosen]
 
     def train_batches(self, epoch: int, start_step: int) -> Iterator[TrainBatch]:
         batches = self._streamed(epoch) if self.stream else self._cached(epoch)
-        for step, (pixels, labels, ids) in enumerate(batches):
+        for step, (inputs, targets, ids) in enumerate(batches):
             if step < start_step:
                 continue
             if self.seen_ids is not None:
                 self.seen_ids.append(ids)
-            yield TrainBatch(self._normalise(pixels), labels, len(labels) * self.world_size)
+            yield TrainBatch(inputs, targets, len(targets) * self.world_size)
 
     def val_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         # The validation split is not sharded (every rank reads it whole: it is small, and an
         # equal split would drop rows); each rank scores a contiguous part, as in memory.
-        start = self.num_val * self.rank // self.world_size
-        end = self.num_val * (self.rank + 1) // self.world_size
+        start, end = val_range(self.num_val, self.rank, self.world_size)
         position = 0
-        for pixels, labels, _ in self.val_shard.iter_torch_batches(
+        for inputs, targets, _ in self.val_shard.iter_torch_batches(
             batch_size=batch_size, collate_fn=self.collate_fn
         ):
-            first, last = max(start - position, 0), min(end - position, len(labels))
-            position += len(labels)
+            first, last = max(start - position, 0), min(end - position, len(targets))
+            position += len(targets)
             if first < last:
-                yield self._normalise(pixels[first:last]), labels[first:last]
+                yield inputs[first:last], targets[first:last]
             if position >= end:
                 break

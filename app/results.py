@@ -13,10 +13,24 @@ import pyarrow.fs
 
 METRICS_FILE = "metrics.csv"
 CURVES_FILE = "curves.png"
-_COLUMNS = (
-    "epoch", "step", "world_size", "train_loss", "val_loss", "val_accuracy",
-    "samples_per_second", "epoch_seconds", "lr", "param_checksum", "time",
-)
+_LEADING = ("epoch", "step", "world_size", "train_loss", "val_loss")
+_TRAILING = ("samples_per_second", "epoch_seconds", "lr", "param_checksum", "time")
+
+
+def metric_columns(history: list[dict[str, Any]]) -> list[str]:
+    """The task's validation metrics (``val_<name>``) in the order the rows hold them."""
+    names: list[str] = []
+    for row in history:
+        names += [key for key in row if key.startswith("val_") and key != "val_loss"
+                  and key not in names]
+    return names
+
+
+def format_metric(name: str, value: float) -> str:
+    """A metric as a person reads it: accuracies as percentages, the rest with 4 decimals."""
+    if name.endswith("accuracy"):
+        return f"{100 * value:.2f}%"
+    return f"{value:.4f}" if abs(value) < 1e5 else f"{value:.4g}"
 
 
 def write_file(uri: str, payload: bytes) -> None:
@@ -33,7 +47,8 @@ def read_file(uri: str) -> bytes:
 
 def metrics_csv(history: list[dict[str, Any]]) -> bytes:
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=_COLUMNS, extrasaction="ignore")
+    columns = [*_LEADING, *metric_columns(history), *_TRAILING]
+    writer = csv.DictWriter(buffer, fieldnames=columns, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(history)
     return buffer.getvalue().encode()
@@ -46,14 +61,21 @@ def curves_png(history: list[dict[str, Any]], title: str) -> bytes:
     from matplotlib import pyplot
 
     epochs = [row["epoch"] for row in history]
-    figure, (loss_axes, accuracy_axes) = pyplot.subplots(1, 2, figsize=(10, 4))
+    metrics = metric_columns(history)
+    figure, all_axes = pyplot.subplots(1, 1 + len(metrics), figsize=(5 * (1 + len(metrics)), 4),
+                                       squeeze=False)
+    loss_axes, *metric_axes = all_axes[0]
     loss_axes.plot(epochs, [row["train_loss"] for row in history], "o-", label="train")
     loss_axes.plot(epochs, [row["val_loss"] for row in history], "o-", label="validation")
     loss_axes.set(xlabel="epoch", ylabel="loss", title="Loss")
     loss_axes.legend()
-    accuracy_axes.plot(epochs, [100 * row["val_accuracy"] for row in history], "o-")
-    accuracy_axes.set(xlabel="epoch", ylabel="accuracy (%)", title="Validation accuracy")
-    for axes in (loss_axes, accuracy_axes):
+    for axes, name in zip(metric_axes, metrics):
+        scale = 100 if name.endswith("accuracy") else 1
+        axes.plot(epochs, [scale * row.get(name, float("nan")) for row in history], "o-")
+        label = name.removeprefix("val_").replace("_", " ")
+        axes.set(xlabel="epoch", ylabel=f"{label} (%)" if scale == 100 else label,
+                 title=f"Validation {label}")
+    for axes in all_axes[0]:
         axes.grid(alpha=0.3)
         axes.xaxis.get_major_locator().set_params(integer=True)
     return png_bytes(figure, title)

@@ -75,6 +75,28 @@ def run_exists(run: RunConfig) -> bool:
     return filesystem.get_file_info(snapshot).type == pyarrow.fs.FileType.File
 
 
+def latest_settings(run: RunConfig) -> dict:
+    """The settings recorded in the run's newest checkpoint ({} when there is none, or it
+    predates them); what a rerun of the run is checked against before any worker starts."""
+    import json
+
+    from app.checkpoint import SETTINGS_FILE, age_order
+
+    filesystem, path = pyarrow.fs.FileSystem.from_uri(run.storage_path)
+    folder = join(path, run.name)
+    found = filesystem.get_file_info(pyarrow.fs.FileSelector(folder, allow_not_found=True))
+    ordered = sorted((info.base_name for info in found
+                      if info.type == pyarrow.fs.FileType.Directory
+                      and age_order(info.base_name) is not None), key=age_order)
+    for name in reversed(ordered):
+        try:
+            with filesystem.open_input_stream(join(folder, name, SETTINGS_FILE)) as stream:
+                return json.loads(stream.read())
+        except (OSError, ValueError):
+            continue  # cut short, or written before settings were: try an older one
+    return {}
+
+
 def make_private(uri: str) -> None:
     """Create the folder ``uri`` readable and writable by its owner only, where the storage has
     permissions (a local folder; object stores have policies instead)."""

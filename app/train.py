@@ -6,18 +6,15 @@ Parses and validates every flag once, here; what runs below receives typed confi
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
-from typing import TYPE_CHECKING
 
+from app import flags
 from app.cli import HelpFormatter, Parser, run_main
 from app.storage import storage_uri
 from app.config import (
-    DATASETS,
     PRECISIONS,
     CheckpointConfig,
-    DataConfig,
     FaultToleranceConfig,
     LoopConfig,
     OptimConfig,
@@ -29,9 +26,7 @@ from app.config import (
     parse_worker_range,
 )
 from app.console import Console
-
-if TYPE_CHECKING:
-    from app.parquet import Manifest
+from app.results import format_metric
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,8 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="python -m app.train",
         description=(
-            "Data-parallel training of the reference MNIST ConvNet on Ray Train "
-            "(DistributedDataParallel; gloo on CPU, NCCL on GPU). Starts an embedded local Ray "
+            "Data-parallel training of a task (the book's MNIST ConvNet by default, or your own "
+            "model) on Ray Train (DistributedDataParallel; gloo on CPU, NCCL on GPU), elastic "
+            "over a worker range. Starts an embedded local Ray "
             "cluster unless --address or RAY_ADDRESS names one to join. Rerunning with the same "
             "--name and --storage-path resumes from the latest checkpoint."
         ),
@@ -73,16 +69,21 @@ def build_parser() -> argparse.ArgumentParser:
         "or no worker has run (e.g. its resources are held elsewhere), for this long; it also "
         "bounds a restart (an embedded cluster's size is checked at once)",
     )
-    training = parser.add_argument_group("training")
-    training.add_argument("--epochs", type=int, default=defaults.epochs, help="epochs in total")
+    training = parser.add_argument_group("training (defaults: the task's)")
+    flags.add_task_arguments(training)
+    training.add_argument("--epochs", type=int, default=None,
+                          help="epochs in total (mnist-convnet: 5)")
     training.add_argument(
-        "--global-batch-size", type=int, default=defaults.global_batch_size,
-        help="samples per optimiser step over all workers; each worker takes its share",
+        "--global-batch-size", type=int, default=None,
+        help="samples per optimiser step over all workers; each worker takes its share "
+        "(mnist-convnet: 128)",
     )
-    training.add_argument("--lr", type=float, default=OptimConfig().lr, help="Adadelta learning rate")
+    training.add_argument("--lr", type=float, default=None,
+                          help="learning rate of the task's optimiser (mnist-convnet: Adadelta, 0.5)")
     training.add_argument(
-        "--lr-decay", type=float, default=OptimConfig().lr_decay,
-        help="learning-rate factor applied after every epoch",
+        "--lr-decay", type=float, default=None,
+        help="learning-rate factor applied after every epoch, unless the task schedules its "
+        "own (mnist-convnet: 0.7)",
     )
     training.add_argument(
         "--max-batch-per-worker", type=int, default=defaults.max_batch_per_worker,
@@ -95,21 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: bf16 autocast where the device computes bf16 natively (AVX512-BF16/AMX "
         "CPUs, Ampere+ GPUs), else fp32; fp32 or bf16 force one",
     )
-    data = parser.add_argument_group("data")
-    data.add_argument(
-        "--dataset", choices=DATASETS, default=None,
-        help="data set [default: mnist; if MNIST is neither in --data-dir nor downloadable, "
-        "scikit-learn's bundled digits]",
-    )
-    data.add_argument(
-        "--data-dir", default="data",
-        help="folder with the data set in torchvision's layout (<dir>/MNIST/raw/...); "
-        "downloads go here",
-    )
+    data = parser.add_argument_group("Parquet data (app.prepare)")
     data.add_argument(
         "--parquet", default=None, metavar="PATH|s3://...",
         help="train on a Parquet data set written by 'python -m app.prepare' (a folder or an "
-        "s3:// prefix), read with Ray Data and split across the workers, instead of --dataset",
+        "s3:// prefix) for the same --task, read with Ray Data and split across the workers, "
+        "instead of --dataset",
     )
     data.add_argument(
         "--verify-data", action="store_true",
@@ -133,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     output.add_argument(
         "--keep-checkpoints", type=int, default=CheckpointConfig().num_to_keep,
-        help="keep this many best checkpoints by validation accuracy, plus the latest",
+        help="keep this many best checkpoints by the task's score, plus the latest",
     )
     output.add_argument(
         "--checkpoint-every-steps", type=int, default=CheckpointConfig().every_steps,
@@ -141,53 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="also checkpoint every N steps inside an epoch, so a failure loses at most N steps "
         "(0: at epoch ends only)",
     )
-    output.add_argument(
-        "--address", default=os.environ.get("RAY_ADDRESS"),
-        help="Ray cluster to join (e.g. auto, 10.0.0.1:6379) [default: RAY_ADDRESS if set, "
-        "else an embedded local cluster]",
-    )
-    output.add_argument(
-        "--verbose", action="store_true", help="show Ray's own logs and full tracebacks"
-    )
+    flags.add_cluster_arguments(output)
     return parser
-
-
-def _resolve_data(
-    args: argparse.Namespace, console: Console, embedded: bool
-) -> tuple[DataConfig, Manifest | None]:
-    """The data set to train on; falls back to the bundled digits only if none was asked for."""
-    from app import data
-    from app.batching import check_batch_fits
-
-    if args.parquet is not None:
-        from app import parquet
-
-        if args.dataset is not None:
-            raise UserError("--dataset and --parquet both name a data set: give one of them")
-        manifest = parquet.open_manifest(storage_uri(args.parquet, "--parquet"),
-                                         verify=args.verify_data)
-        check_batch_fits(args.global_batch_size, manifest.num_train, manifest.dataset)
-        config = DataConfig(dataset=manifest.dataset, parquet=manifest.uri,
-                            stream=args.stream_data)
-        return config, manifest
-    if args.stream_data or args.verify_data:
-        flag = "--stream-data" if args.stream_data else "--verify-data"
-        raise UserError(f"{flag} applies to --parquet data sets only")
-    if args.dataset is not None:
-        config = DataConfig(dataset=args.dataset, data_dir=args.data_dir)
-    else:
-        config = DataConfig(dataset="mnist", data_dir=args.data_dir)
-        if not data.is_available(config):
-            console.line(
-                f"MNIST is not in {args.data_dir} and cannot be downloaded: training on "
-                "scikit-learn's bundled handwritten digits (1,797 8x8 images, resized to 28x28)."
-            )
-            config = DataConfig(dataset="digits", data_dir=args.data_dir)
-    if embedded:
-        # Workers read the same folder: a missing or corrupt file is reported now, by name.
-        loaded = data.load(config)
-        check_batch_fits(args.global_batch_size, len(loaded.train), config.dataset)
-    return config, None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, console: Console) -> int:
     if args.name is not None:
         check_name(args.name)
+    reference, task = flags.resolve_task(args)
     min_workers, max_workers = parse_worker_range(args.num_workers)
     workers = WorkersConfig(
         min_workers=min_workers, max_workers=max_workers, use_gpu=args.use_gpu,
@@ -235,17 +183,34 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     if embedded:
         cluster.check_capacity(workers, nodes=cluster.local_resources())
     storage.check_storage(storage_path)
-    data, manifest = _resolve_data(args, console, embedded)
+    data, manifest = flags.resolve_data(args, task, console, load=embedded)
+    dataset = data.dataset or task.default_dataset
     run = RunConfig(
-        name=args.name or f"{data.dataset}-{time.strftime('%Y%m%d-%H%M%S')}",
+        name=args.name or f"{dataset}-{time.strftime('%Y%m%d-%H%M%S')}",
         storage_path=storage_path,
     )
-    config = TrainConfig(data=data, optim=optim, loop=loop, checkpoint=checkpoints)
+    config = TrainConfig(task=reference, data=data, optim=optim, loop=loop,
+                         checkpoint=checkpoints)
     with storage.RunLock(run):
-        return _train(args, console, config, workers, run, fault_tolerance, manifest, embedded)
+        _check_resumable(run, config, task.name, dataset)
+        return _train(args, console, config, task, workers, run, fault_tolerance, manifest,
+                      embedded)
 
 
-def _train(args, console, config, workers, run, fault_tolerance, manifest, embedded) -> int:
+def _check_resumable(run: RunConfig, config: TrainConfig, task_name: str, dataset: str) -> None:
+    """A rerun must share the settings its checkpoints depend on (the workers check again,
+    with the model's parameters and the optimiser)."""
+    from app import checkpoint, storage
+
+    saved = storage.latest_settings(run)
+    refusal = checkpoint.incompatibility(
+        run.name, saved, checkpoint.run_settings(config, task_name, dataset)
+    )
+    if refusal is not None:
+        raise UserError(refusal)
+
+
+def _train(args, console, config, task, workers, run, fault_tolerance, manifest, embedded) -> int:
     from app import cluster, launcher
 
     cluster.connect(args.address, verbose=args.verbose)
@@ -270,9 +235,10 @@ def _train(args, console, config, workers, run, fault_tolerance, manifest, embed
     finally:
         cluster.disconnect()
     console.line()
+    best = summary.best_metrics
     console.line(
-        f"Best validation accuracy {100 * summary.best_accuracy:.2f}% at epoch "
-        f"{summary.best_epoch} ({len(summary.history)} epochs trained)."
+        f"Best {task.score.replace('val_', 'validation ', 1).replace('_', ' ')} {format_metric(task.score, best[task.score])} at "
+        f"epoch {best['epoch']} ({len(summary.history)} epochs trained)."
     )
     console.line(f"Checkpoints: {summary.run_uri}  (best: {summary.best_checkpoint})")
     console.line(f"Metrics:     {summary.metrics_uri}")

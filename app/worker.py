@@ -18,12 +18,12 @@ import ray.train
 import ray.train.torch
 import torch
 
-from app import batching, checkpoint, data
+from app import batching, checkpoint
 from app.progress import send
 from app.batching import InMemoryData, TrainData
-from app.config import StorageFailure, TrainConfig
+from app.config import StorageFailure, TrainConfig, UserError
 from app.loop import Trainer, parameter_checksum
-from app.model import ConvNet
+from app.task import Task, build_datasets, load_task
 
 PROGRESS_KEY = "progress_queue"
 """Optional key of the worker config: a ray.util.queue.Queue that rank 0 sends progress to."""
@@ -83,22 +83,23 @@ def _older_checkpoints(latest: ray.train.Checkpoint) -> list[ray.train.Checkpoin
             for name in older]
 
 
-def _restore(progress, rank: int) -> checkpoint.TrainingState | None:
+def _restore(progress, rank: int, settings: dict[str, Any]) -> checkpoint.TrainingState | None:
     """The latest checkpoint's state; if it cannot be read, the newest older one that can.
 
     A corrupt latest checkpoint (a truncated file, a missing part) would otherwise fail every
-    restart the same way until the retries run out.
+    restart the same way until the retries run out. A checkpoint of other ``settings`` (another
+    task, batch, learning rate...) is refused, naming each difference.
     """
     latest = ray.train.get_checkpoint()
     if latest is None:
         return None
     try:
-        return _load(latest)
+        return _compatible(_load(latest), settings, latest)
     except checkpoint.UnreadableCheckpoint as error:
         problem = f"the latest checkpoint {latest.path} cannot be read ({error})"
     for candidate in _older_checkpoints(latest):
         try:
-            state = _load(candidate)
+            state = _compatible(_load(candidate), settings, candidate)
         except checkpoint.UnreadableCheckpoint:
             continue
         if rank == 0:
@@ -110,7 +111,17 @@ def _restore(progress, rank: int) -> checkpoint.TrainingState | None:
     )
 
 
-def _train_data(config: TrainConfig, worker_config: dict[str, Any], rank: int,
+def _compatible(state: checkpoint.TrainingState, settings: dict[str, Any],
+                source: ray.train.Checkpoint) -> checkpoint.TrainingState:
+    refusal = checkpoint.incompatibility(
+        source.path.rstrip("/").rsplit("/", 2)[-2], state.settings, settings
+    )
+    if refusal is not None:
+        raise UserError(refusal)
+    return state
+
+
+def _train_data(config: TrainConfig, task: Task, worker_config: dict[str, Any], rank: int,
                 world_size: int) -> tuple[str, TrainData]:
     if config.data.parquet:
         from app.parquet import ShardData
@@ -121,10 +132,9 @@ def _train_data(config: TrainConfig, worker_config: dict[str, Any], rank: int,
             config.loop.global_batch_size, world_size, rank, config.loop.seed,
             stream=config.data.stream,
         )
-    dataset = data.load(config.data)
-    return dataset.name, InMemoryData(
-        dataset.train, dataset.val, config.loop.global_batch_size, world_size, rank,
-        config.loop.seed,
+    train, val = build_datasets(task, config.data.dataset, config.data.data_dir)
+    return config.data.dataset or task.default_dataset, InMemoryData(
+        train, val, config.loop.global_batch_size, world_size, rank, config.loop.seed,
     )
 
 
@@ -141,13 +151,21 @@ def _train(config: TrainConfig, worker_config: dict[str, Any], progress) -> None
     # More threads than owned CPUs makes workers on one machine fight over cores.
     torch.set_num_threads(_owned_cpus())
 
-    dataset_name, train_data = _train_data(config, worker_config, rank, world_size)
+    task = load_task(config.task)
+    dataset_name, train_data = _train_data(config, task, worker_config, rank, world_size)
     batching.check_batch_fits(config.loop.global_batch_size, train_data.num_train, dataset_name)
-    state = _restore(progress, rank)
     torch.manual_seed(config.loop.seed)  # identical initial weights on every rank
-    model = ray.train.torch.prepare_model(ConvNet())
+    model = task.build_model()
+    settings = checkpoint.run_settings(
+        config, task.name, dataset_name,
+        optimizer=type(task.build_optimizer(model.parameters(), config.optim.lr)).__name__,
+        parameters=checkpoint.parameter_shapes(model),
+    )
+    state = _restore(progress, rank, settings)
+    model = ray.train.torch.prepare_model(model)
     device = ray.train.torch.get_device()
-    trainer = Trainer(config, model, train_data, device, rank, world_size, state)
+    trainer = Trainer(config, task, model, train_data, device, rank, world_size, state)
+    trainer.state.settings = settings
 
     reporter = _Reporter(trainer, rank, world_size, progress)
     if rank == 0:
@@ -158,6 +176,10 @@ def _train(config: TrainConfig, worker_config: dict[str, Any], progress) -> None
                 "world_size": world_size,
                 "device": device.type,
                 "precision": trainer.precision,
+                "task": task.name,
+                "metrics": list(task.metric_columns),
+                "score": task.score,
+                "score_mode": task.score_mode,
                 "dataset": dataset_name,
                 "source": "parquet" if config.data.parquet else "memory",
                 "num_train": train_data.num_train,
@@ -195,11 +217,22 @@ def _train(config: TrainConfig, worker_config: dict[str, Any], progress) -> None
         reporter.report_epoch(result, evaluation, model)
 
 
+PARTIAL_SCORE = -1e300
+"""Checkpoint score of a mid-epoch checkpoint: below every epoch checkpoint's."""
+
+
+def checkpoint_score(task: Task, value: float) -> float:
+    """Ray keeps the checkpoints with the highest score: the task's score, negated when lower
+    is better."""
+    return value if task.score_mode == "max" else -value
+
+
 class _Reporter:
     """Reports metrics from every rank and a checkpoint from rank 0 (Ray Train's pattern)."""
 
     def __init__(self, trainer: Trainer, rank: int, world_size: int, progress):
         self.trainer = trainer
+        self.task = trainer.task
         self.rank = rank
         self.world_size = world_size
         self.progress = progress
@@ -230,17 +263,18 @@ class _Reporter:
             "step": state.step,
             "world_size": self.world_size,
             "train_loss": result.train_loss,
-            "val_loss": evaluation.loss,
-            "val_accuracy": evaluation.accuracy,
+            **evaluation.as_metrics(),
             "samples_per_second": result.num_samples / result.seconds,
             "epoch_seconds": result.seconds,
             "lr": self.trainer.scheduler.get_last_lr()[0],
             "param_checksum": parameter_checksum(model),
+            "precision": self.trainer.precision,
             "time": time.time(),
         }
         state.history.append(metrics)
+        score = evaluation.as_metrics()[self.task.score]
         self._report(
-            {**metrics, "checkpoint_score": evaluation.accuracy},
+            {**metrics, "checkpoint_score": checkpoint_score(self.task, score)},
             f"checkpoint_epoch_{state.epoch:04d}",
         )
 
@@ -255,7 +289,7 @@ class _Reporter:
             "epoch_step": state.epoch_step,
             "step": state.step,
             "world_size": self.world_size,
-            "checkpoint_score": -1.0,
+            "checkpoint_score": PARTIAL_SCORE,
             "time": time.time(),
         }
         self._report(

@@ -1,0 +1,124 @@
+"""The flags the command lines share (the task and its data, the cluster, storage), defined once,
+and the task-dependent resolution behind them: the task's defaults, its data set (with the
+offline fallback), and the data checks made before any worker starts."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import TYPE_CHECKING
+
+from app.config import DataConfig, UserError
+from app.console import Console
+from app.task import BUILTIN_HELP, DEFAULT_TASK, Task, build_datasets, load_task, \
+    resolve_reference
+
+if TYPE_CHECKING:
+    from app.parquet import Manifest
+
+TASK_DEFAULTS = ("lr", "lr_decay", "global_batch_size", "epochs")
+"""Flags whose default comes from the task (argparse default None)."""
+
+
+def add_task_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+                       dataset_help: str = "") -> None:
+    """--task, --dataset and --data-dir."""
+    builtins = "; ".join(f"{name}: {text}" for name, text in BUILTIN_HELP.items())
+    parser.add_argument(
+        "--task", default=DEFAULT_TASK, metavar="NAME|module:ATTR|file.py:ATTR",
+        help=f"what to train: a built-in task ({builtins}), or your own app.task.Task given as "
+        "package.module:ATTR or path/to/file.py:ATTR (see README, 'Train your own model')",
+    )
+    parser.add_argument(
+        "--dataset", default=None,
+        help=dataset_help or "one of the task's data sets (mnist-convnet: mnist, "
+        "fashion-mnist, digits) [default: the task's own; for the MNIST tasks, scikit-learn's "
+        "bundled digits when MNIST is neither in --data-dir nor downloadable]",
+    )
+    parser.add_argument(
+        "--data-dir", default="data",
+        help="folder the task reads its data set from, and downloads it to (MNIST: "
+        "<dir>/MNIST/raw/..., CIFAR-10: <dir>/cifar-10-batches-py/...)",
+    )
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--address and --verbose."""
+    parser.add_argument(
+        "--address", default=os.environ.get("RAY_ADDRESS"),
+        help="Ray cluster to join (e.g. auto, 10.0.0.1:6379) [default: RAY_ADDRESS if set, "
+        "else an embedded local cluster]",
+    )
+    parser.add_argument(
+        "--verbose", action="store_true", help="show Ray's own logs and full tracebacks"
+    )
+
+
+def resolve_task(args: argparse.Namespace) -> tuple[str, Task]:
+    """The task's reference (as workers and checkpoints keep it) and the task; fills the flags
+    left at None (TASK_DEFAULTS) with the task's defaults."""
+    reference = resolve_reference(args.task)
+    task = load_task(reference)
+    for flag in TASK_DEFAULTS:
+        if getattr(args, flag, "absent") is None:
+            setattr(args, flag, getattr(task, flag))
+    return reference, task
+
+
+def resolve_data(
+    args: argparse.Namespace, task: Task, console: Console, load: bool,
+) -> tuple[DataConfig, Manifest | None]:
+    """The data set to train on, checked.
+
+    ``--parquet``: the checked manifest (it must have been prepared for this task). Otherwise
+    the task's data set ``--dataset`` (its default when not given), loaded now when ``load``
+    (workers on this machine read the same folder: a missing or corrupt file is reported now,
+    by name). When no --dataset was given, the task has an offline fallback and its default data
+    set cannot be loaded, it says so and trains on the fallback.
+    """
+    from app.batching import check_batch_fits
+
+    batch = getattr(args, "global_batch_size", None)
+    if getattr(args, "parquet", None) is not None:
+        from app import parquet
+        from app.storage import storage_uri
+
+        if args.dataset is not None:
+            raise UserError("--dataset and --parquet both name a data set: give one of them")
+        manifest = parquet.open_manifest(storage_uri(args.parquet, "--parquet"),
+                                         verify=getattr(args, "verify_data", False))
+        if manifest.task and manifest.task != task.name:
+            raise UserError(f"{manifest.uri} was prepared for the task {manifest.task!r}, not "
+                            f"{task.name!r}: pass --task with that task, or prepare it again")
+        if batch is not None:
+            check_batch_fits(batch, manifest.num_train, manifest.dataset)
+        config = DataConfig(dataset=manifest.dataset, data_dir=args.data_dir,
+                            parquet=manifest.uri, stream=getattr(args, "stream_data", False))
+        return config, manifest
+    for flag in ("stream_data", "verify_data"):
+        if getattr(args, flag, False):
+            raise UserError(f"--{flag.replace('_', '-')} applies to --parquet data sets only")
+    name = args.dataset or ""
+    task.builder(name)  # an unknown name fails now, listing the task's data sets
+    if name or not task.offline_fallback:
+        if load:
+            train, _ = build_datasets(task, name, args.data_dir)
+            if batch is not None:
+                check_batch_fits(batch, len(train), name or task.default_dataset)
+        return DataConfig(dataset=name, data_dir=args.data_dir), None
+    try:
+        train, _ = build_datasets(task, "", args.data_dir)
+    except UserError as error:
+        console.line(
+            f"{task.default_dataset} is not in {args.data_dir} and cannot be downloaded "
+            f"({_first_sentence(error)}): training on {task.offline_fallback} instead."
+        )
+        name = task.offline_fallback
+        train, _ = build_datasets(task, name, args.data_dir)
+    if batch is not None:
+        check_batch_fits(batch, len(train), name or task.default_dataset)
+    return DataConfig(dataset=name, data_dir=args.data_dir), None
+
+
+def _first_sentence(error: Exception) -> str:
+    return str(error).split(";")[0]
