@@ -54,12 +54,12 @@ def add_cluster_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGr
     )
 
 
-def resolve_task(args: argparse.Namespace) -> tuple[str, Task]:
-    """The task's reference (as workers and checkpoints keep it) and the task; fills the flags
-    left at None (TASK_DEFAULTS) with the task's defaults."""
+def resolve_task(args: argparse.Namespace, fill_defaults: bool = True) -> tuple[str, Task]:
+    """The task's reference (as workers and checkpoints keep it) and the task; with
+    ``fill_defaults``, fills the flags left at None (TASK_DEFAULTS) with the task's defaults."""
     reference = resolve_reference(args.task)
     task = load_task(reference)
-    for flag in TASK_DEFAULTS:
+    for flag in TASK_DEFAULTS if fill_defaults else ():
         if getattr(args, flag, "absent") is None:
             setattr(args, flag, getattr(task, flag))
     return reference, task
@@ -67,6 +67,7 @@ def resolve_task(args: argparse.Namespace) -> tuple[str, Task]:
 
 def resolve_data(
     args: argparse.Namespace, task: Task, console: Console, load: bool,
+    global_batch_size: int | None = None,
 ) -> tuple[DataConfig, Manifest | None]:
     """The data set to train on, checked.
 
@@ -74,11 +75,12 @@ def resolve_data(
     the task's data set ``--dataset`` (its default when not given), loaded now when ``load``
     (workers on this machine read the same folder: a missing or corrupt file is reported now,
     by name). When no --dataset was given, the task has an offline fallback and its default data
-    set cannot be loaded, it says so and trains on the fallback.
+    set cannot be loaded, it says so and trains on the fallback. ``global_batch_size``, when
+    given, must fit in the training set.
     """
     from app.batching import check_batch_fits
 
-    batch = getattr(args, "global_batch_size", None)
+    batch = global_batch_size
     if getattr(args, "parquet", None) is not None:
         from app import parquet
         from app.storage import storage_uri

@@ -183,7 +183,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     if embedded:
         cluster.check_capacity(workers, nodes=cluster.local_resources())
     storage.check_storage(storage_path)
-    data, manifest = flags.resolve_data(args, task, console, load=embedded)
+    data, manifest = flags.resolve_data(args, task, console, load=embedded,
+                                        global_batch_size=loop.global_batch_size)
     dataset = data.dataset or task.default_dataset
     run = RunConfig(
         name=args.name or f"{dataset}-{time.strftime('%Y%m%d-%H%M%S')}",

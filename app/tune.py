@@ -12,12 +12,12 @@ import argparse
 import io
 import json
 import re
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from app import flags
 from app.cli import (
     EXIT_INTERRUPTED,
     EXIT_TERMINATED,
@@ -28,9 +28,7 @@ from app.cli import (
 )
 from app.storage import storage_uri
 from app.config import (
-    DATASETS,
     CheckpointConfig,
-    DataConfig,
     FaultToleranceConfig,
     LoopConfig,
     OptimConfig,
@@ -113,16 +111,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="python -m app.tune",
         description=(
-            "Ray Tune sweep over learning rate, world size and batch size; every trial is a "
-            "whole distributed training run. Ends with the trials ranked and a scaling report "
-            "(throughput and time to a target accuracy against the number of workers)."
+            "Ray Tune sweep of a task over learning rate, world size and batch size; every "
+            "trial is a whole distributed training run, scored by the task's score (ASHA stops "
+            "the trailing ones). Ends with the trials ranked and a scaling report (throughput "
+            "and time to a target score against the number of workers)."
         ),
         formatter_class=HelpFormatter,
     )
     space = parser.add_argument_group("search space")
     space.add_argument(
-        "--lr-range", default="0.05,1.0", metavar="MIN,MAX",
-        help="learning rates sampled log-uniformly from this range",
+        "--lr-range", default=None, metavar="MIN,MAX",
+        help="learning rates sampled log-uniformly from this range [default: the task's lr "
+        "/ 10 to x 2; mnist-convnet: 0.05,1.0]",
     )
     space.add_argument(
         "--lr", default=None, metavar="LR[,LR...]",
@@ -132,8 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-workers", default="1,2", metavar="N[,N...]", help="world sizes to try (a grid)"
     )
     space.add_argument(
-        "--global-batch-size", default="128", metavar="B[,B...]",
-        help="global batch sizes to try (a grid)",
+        "--global-batch-size", default=None, metavar="B[,B...]",
+        help="global batch sizes to try (a grid) [default: the task's]",
     )
     space.add_argument(
         "--num-samples", type=int, default=2,
@@ -141,15 +141,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sweep = parser.add_argument_group("sweep")
     sweep.add_argument("--scheduler", choices=("asha", "fifo"), default="asha",
-                       help="asha stops trials whose validation accuracy trails, per epoch")
+                       help="asha stops trials whose score trails, per epoch")
     sweep.add_argument(
         "--max-concurrent-trials", type=int, default=None,
         help="trials running at once [default: as many as the cluster can give the largest "
         "world size in the sweep workers at the same time]",
     )
     sweep.add_argument(
-        "--target-accuracy", type=float, default=0.95,
-        help="validation accuracy whose time-to-reach the scaling report compares",
+        "--target", type=float, default=None,
+        help="a value of the task's score whose time-to-reach the scaling report compares "
+        "[default: the task's; mnist-convnet: val_accuracy 0.95]",
     )
     sweep.add_argument("--name", default=None, help="sweep name [default: sweep-<time>]")
     sweep.add_argument("--storage-path", default="runs",
@@ -159,9 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--show", action="store_true",
                        help="print the tables of the finished sweep --name and exit")
     training = parser.add_argument_group("training (every trial)")
-    training.add_argument("--epochs", type=int, default=4, help="epochs per trial")
-    training.add_argument("--dataset", choices=DATASETS, default="mnist", help="data set")
-    training.add_argument("--data-dir", default="data", help="folder with the data set")
+    flags.add_task_arguments(training)
+    training.add_argument("--epochs", type=int, default=None,
+                          help="epochs per trial [default: the task's]")
     training.add_argument("--seed", type=int, default=0, help="random seed")
     training.add_argument("--use-gpu", action="store_true", help="one GPU per worker")
     training.add_argument("--cpus-per-worker", type=int, default=1, help="CPUs per worker")
@@ -171,11 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a trial whose workers cannot be placed (or have not run) for this long fails, "
         "saying why, and the sweep goes on",
     )
-    training.add_argument(
-        "--address", default=os.environ.get("RAY_ADDRESS"),
-        help="Ray cluster to join [default: RAY_ADDRESS if set, else an embedded cluster]",
-    )
-    training.add_argument("--verbose", action="store_true", help="show Ray's own logs")
+    flags.add_cluster_arguments(training)
     return parser
 
 
@@ -189,8 +186,9 @@ def _param_space(args, train_storage: str) -> dict[str, Any]:
     batches = _parse_list(args.global_batch_size, int, "--global-batch-size")
     # Validate one concrete config now: a bad value fails here, not in every trial.
     template = TrainConfig(
-        data=DataConfig(dataset=args.dataset, data_dir=args.data_dir),
-        optim=OptimConfig(lr=(lrs or lr_range)[0]),
+        task=args.task_reference,
+        data=args.data,
+        optim=OptimConfig(lr=(lrs or lr_range)[0], lr_decay=args.task.lr_decay),
         loop=LoopConfig(epochs=args.epochs, global_batch_size=min(batches), seed=args.seed),
         checkpoint=CheckpointConfig(num_to_keep=1),
     )
@@ -230,8 +228,8 @@ def _default_concurrency(args, requested: int | None) -> int:
 
 
 SWEEP_FLAGS = (
-    "lr_range", "lr", "num_workers", "global_batch_size", "num_samples", "scheduler",
-    "target_accuracy", "epochs", "dataset", "data_dir", "seed", "use_gpu", "cpus_per_worker",
+    "task", "lr_range", "lr", "num_workers", "global_batch_size", "num_samples", "scheduler",
+    "target", "epochs", "dataset", "data_dir", "seed", "use_gpu", "cpus_per_worker",
 )
 """The flags (argparse names) that define a sweep: a --resume must not change them."""
 
@@ -248,7 +246,22 @@ def _check_same_flags(recorded: dict[str, Any], given: dict[str, Any]) -> None:
         )
 
 
-def _check_inputs(args, embedded: bool) -> None:
+def _resolve_task(args) -> None:
+    """The task (``args.task``, its reference ``args.task_reference``) and the flags whose
+    defaults are the task's."""
+    args.task_reference, args.task = flags.resolve_task(args, fill_defaults=False)
+    task = args.task
+    if args.epochs is None:
+        args.epochs = task.epochs
+    if args.global_batch_size is None:
+        args.global_batch_size = str(task.global_batch_size)
+    if args.lr_range is None:
+        args.lr_range = f"{task.lr / 10:g},{task.lr * 2:g}"
+    if args.target is None:
+        args.target = task.target
+
+
+def _check_inputs(args, embedded: bool, console: Console) -> None:
     """What app.train checks, for every trial at once, before any trial starts."""
     batches = _parse_list(args.global_batch_size, int, "--global-batch-size")
     if min(batches) < max(args.world_sizes):
@@ -256,13 +269,8 @@ def _check_inputs(args, embedded: bool) -> None:
             f"--global-batch-size {min(batches)} is smaller than the {max(args.world_sizes)} "
             "workers of the largest world size: each worker needs a sample per step"
         )
-    if embedded and not args.show:
-        from app import data
-        from app.batching import check_batch_fits
-
-        # Workers read the same folder: a missing or corrupt file is reported now, by name.
-        loaded = data.load(DataConfig(dataset=args.dataset, data_dir=args.data_dir))
-        check_batch_fits(max(batches), len(loaded.train), args.dataset)
+    args.data, _ = flags.resolve_data(args, args.task, console, load=embedded,
+                                      global_batch_size=max(batches))
 
 
 def _trainable():
@@ -292,7 +300,7 @@ def _outcome(result, status: str | None, num_epochs: int, planned: int) -> str:
     return "completed" if num_epochs >= planned else "stopped early by the scheduler"
 
 
-def _records(result_grid):
+def _records(result_grid, score: str, mode: str):
     from app.sweep_report import TrialRecord
 
     # Tune's trial objects carry the status; ResultGrid lists results in the same order.
@@ -303,8 +311,8 @@ def _records(result_grid):
         if result.config is None:
             continue
         frame = result.metrics_dataframe
-        rows = [] if frame is None or "val_accuracy" not in frame else [
-            {key: row[key] for key in ("epoch", "val_accuracy", "samples_per_second",
+        rows = [] if frame is None or score not in frame else [
+            {key: row[key] for key in ("epoch", score, "samples_per_second",
                                        "time_total_s", "checkpoint_path") if key in row}
             for row in frame.to_dict("records")
         ]
@@ -317,26 +325,31 @@ def _records(result_grid):
             epochs=rows,
             planned_epochs=result.config["train"]["loop"]["epochs"],
             outcome=_outcome(result, status, len(rows), result.config["train"]["loop"]["epochs"]),
+            score=score,
+            mode=mode,
         ))
     return records
 
 
-def report(sweep_uri: str, result_grid, target_accuracy: float, console: Console) -> None:
+def report(sweep_uri: str, result_grid, plan: dict[str, Any], console: Console) -> None:
     """Print and write the ranked trial table and the scaling report."""
     from app import results, sweep_report
+    from app.results import format_metric
 
-    records = _records(result_grid)
+    score, mode, target = plan["score"], plan["mode"], plan["target"]
+    records = _records(result_grid, score, mode)
     if not records:
         raise UserError(f"the sweep in {sweep_uri} has no trial results yet")
     table = sweep_report.trial_table(records)
-    rows = sweep_report.scaling(records, target_accuracy)
-    scaling_text = sweep_report.scaling_table(rows, target_accuracy)
+    rows = sweep_report.scaling(records, target)
+    condition = sweep_report.target_text(score, mode, target) if target is not None else None
+    scaling_text = sweep_report.scaling_table(rows, condition)
     best = sweep_report.ranked(records)[0]
     best_checkpoint = best.best.get("checkpoint_path") if best.best else None
     results.write_file(f"{sweep_uri}/{TABLE_FILE}", (table + "\n\n" + scaling_text + "\n").encode())
     results.write_file(
         f"{sweep_uri}/{SCALING_FILE}",
-        sweep_report.scaling_png(rows, target_accuracy, Path(sweep_uri).name),
+        sweep_report.scaling_png(rows, condition, Path(sweep_uri).name),
     )
     console.line()
     console.line(table)
@@ -344,7 +357,9 @@ def report(sweep_uri: str, result_grid, target_accuracy: float, console: Console
     console.line("Scaling (best trial per world size):")
     console.line(scaling_text)
     console.line()
-    console.line(f"Best trial: {best.trial_id}, {100 * best.best_accuracy:.2f}% "
+    best_score = "no results" if best.best_score is None \
+        else f"{score} {format_metric(score, best.best_score)}"
+    console.line(f"Best trial: {best.trial_id}, {best_score} "
                  f"(lr {best.lr:.4g}, {best.world_size} workers, batch {best.global_batch_size})")
     if best_checkpoint:
         console.line(f"Best checkpoint: {best_checkpoint}")
@@ -362,8 +377,6 @@ def _run(args, console: Console) -> int:
         raise UserError("--num-workers values must be >= 1")
     if args.num_samples < 1:
         raise UserError(f"--num-samples must be >= 1, got {args.num_samples}")
-    if not 0 < args.target_accuracy <= 1:
-        raise UserError(f"--target-accuracy must be in (0, 1], got {args.target_accuracy}")
     FaultToleranceConfig(placement_timeout_s=args.placement_timeout)  # validates it
     if (args.resume or args.show) and not args.name:
         raise UserError("--resume and --show need the --name of the sweep")
@@ -372,8 +385,9 @@ def _run(args, console: Console) -> int:
         f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
     sweep_uri = storage.join(storage_root, name)
     storage.check_storage(storage_root)
-    if not args.resume:
-        _check_inputs(args, embedded=not args.address)
+    if not args.resume and not args.show:
+        _resolve_task(args)
+        _check_inputs(args, embedded=not args.address, console=console)
 
     cluster.connect(args.address, verbose=args.verbose)
     try:
@@ -395,7 +409,7 @@ def _run(args, console: Console) -> int:
                 sweep_uri, trainable=_trainable(), resume_unfinished=True, resume_errored=True
             )
             if args.show:
-                report(sweep_uri, tuner.get_results(), plan["target_accuracy"], console)
+                report(sweep_uri, tuner.get_results(), plan, console)
                 return 0
         else:
             if tune.Tuner.can_restore(sweep_uri):
@@ -408,10 +422,13 @@ def _run(args, console: Console) -> int:
             num_batches = len(_parse_list(args.global_batch_size, int, "--global-batch-size"))
             plan = {
                 "num_trials": args.num_samples * num_lrs * num_batches * len(args.world_sizes),
-                "target_accuracy": args.target_accuracy,
+                "score": args.task.score,
+                "mode": args.task.score_mode,
+                "target": args.target,
                 # What defines the sweep, for a --resume to compare; never --address or
                 # --storage-path, which may carry credentials.
-                "flags": {flag: getattr(args, flag) for flag in SWEEP_FLAGS},
+                "flags": {flag: getattr(args, flag) for flag in SWEEP_FLAGS} | {
+                    "task": args.task_reference},
             }
             scheduler = (
                 tune.schedulers.ASHAScheduler(
@@ -422,7 +439,7 @@ def _run(args, console: Console) -> int:
                 _trainable(),
                 param_space=_param_space(args, f"{sweep_uri}/{TRAIN_RUNS}"),
                 tune_config=tune.TuneConfig(
-                    metric="val_accuracy", mode="max", scheduler=scheduler,
+                    metric=args.task.score, mode=args.task.score_mode, scheduler=scheduler,
                     num_samples=args.num_samples, max_concurrent_trials=concurrency,
                     # A stopped trial's actor must go: a reused one keeps the stopped trial's
                     # Train controller alive, holding its workers' placement group.
@@ -439,7 +456,7 @@ def _run(args, console: Console) -> int:
             console.line(f"Sweep {name}: {plan['num_trials']} trials, up to {concurrency} at a "
                          f"time; results in {sweep_uri}")
         result_grid = tuner.fit()
-        report(sweep_uri, result_grid, plan["target_accuracy"], console)
+        report(sweep_uri, result_grid, plan, console)
         finished = result_grid.num_terminated + result_grid.num_errors
         if finished < plan["num_trials"]:
             # Tune stops gracefully on Ctrl-C (and SIGTERM) and returns what it has.
