@@ -89,6 +89,30 @@ def score_batch(task: Task, output: torch.Tensor, targets: torch.Tensor) -> torc
     return torch.stack(values)
 
 
+def autocast(precision: str, device: torch.device):
+    """bf16 autocast for ``precision`` "bf16"; nothing for "fp32"."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.inference_mode()
+def score_batches(task: Task, model: nn.Module, batches, device: torch.device,
+                  precision: str) -> tuple[torch.Tensor, int]:
+    """[loss sum, each metric's sum] (float64, on ``device``) and the sample count over
+    ``batches`` of (inputs, targets); the model must be in eval mode."""
+    sums = torch.zeros(1 + len(task.metrics), dtype=torch.float64, device=device)
+    count = 0
+    for inputs, targets in batches:
+        inputs = inputs.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        with autocast(precision, device):
+            output = _fp32(model(inputs))
+        sums += score_batch(task, output, targets)
+        count += len(targets)
+    return sums, count
+
+
 def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -147,9 +171,7 @@ class Trainer:
         return self.state.epoch
 
     def _autocast(self):
-        if self.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return autocast(self.precision, self.device)
 
     def _micro_batches(self, batch: TrainBatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
         limit = self.config.loop.max_batch_per_worker
@@ -249,7 +271,6 @@ class Trainer:
         self.state.epoch_seconds = 0.0
         return result
 
-    @torch.inference_mode()
     def evaluate(self) -> Evaluation:
         """The loss and the task's metrics over the validation split, each rank scoring its
         part; exact means over the whole split."""
@@ -257,15 +278,10 @@ class Trainer:
         model.eval()
         names = list(self.task.metrics)
         # Sums in float64 on the device, one host sync at the end.
-        sums = torch.zeros(1 + len(names), dtype=torch.float64, device=self.device)
-        count = 0
-        for inputs, targets in self.data.val_batches(self.config.loop.eval_batch_size):
-            inputs = inputs.to(self.device, non_blocking=True)
-            targets = targets.to(self.device, non_blocking=True)
-            with self._autocast():
-                output = _fp32(model(inputs))
-            sums += score_batch(self.task, output, targets)
-            count += len(targets)
+        sums, count = score_batches(
+            self.task, model, self.data.val_batches(self.config.loop.eval_batch_size),
+            self.device, self.precision,
+        )
         totals = _all_reduce_sum([*sums.tolist(), float(count)], self.device)
         total = max(totals[-1], 1.0)
         return Evaluation(

@@ -5,9 +5,16 @@
 ``cifar_resnet18`` is torchvision's ResNet-18 adapted to 32x32 images.
 """
 
+import warnings
+
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+# The book applies Dropout2d to the (N, 64) output of fc1. torch warns that 2-D input is
+# deprecated there and treats it as one unbatched (N, 64) feature map: whole samples'
+# activations are dropped. That is the book's network, kept exactly; the warning is not news.
+warnings.filterwarnings("ignore", message="dropout2d: Received a 2-D input")
 
 
 class ConvNet(nn.Module):

@@ -317,3 +317,19 @@ class ShardData:
                 yield inputs[first:last], targets[first:last]
             if position >= end:
                 break
+
+
+def read_split(manifest: Manifest, split: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(inputs, targets, ids) of a whole split, read here with pyarrow (no Ray), in id order."""
+    files = manifest.train_files if split == "train" else manifest.val_files
+    try:
+        filesystem, _ = _filesystem(manifest.uri)
+        tables = []
+        for uri in files:
+            _, path = pyarrow.fs.FileSystem.from_uri(uri) if "://" in uri else (None, uri)
+            tables.append(pq.read_table(path, filesystem=filesystem))
+    except OSError as error:
+        raise _storage_error(manifest.uri, error) from None
+    inputs, targets, ids = to_tensors(pa.concat_tables(tables), manifest.input, manifest.target)
+    order = torch.argsort(ids)
+    return inputs[order], targets[order], ids[order]
