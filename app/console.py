@@ -53,7 +53,8 @@ class Console:
             )
         else:
             self.line(
-                f"Training {event.get('task', 'the task')} on {event['dataset']}"
+                f"Training {event.get('task', 'the task')}"
+                f"{'' if event['dataset'] == event.get('task') else ' on ' + event['dataset']}"
                 f"{' (Parquet, Ray Data)' if event.get('source') == 'parquet' else ''}: "
                 f"{event['num_train']:,} train / "
                 f"{event['num_val']:,} validation samples, {event['epochs']} epochs, "

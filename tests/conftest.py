@@ -14,6 +14,11 @@ MNIST_ENV = "APP_MNIST_DIR"
 NUM_TRAIN = 8_000
 
 
+def pytest_configure(config):
+    # The book's network applies Dropout2d to a 2-D tensor, as the book does (app.model).
+    config.addinivalue_line("filterwarnings", "ignore:dropout2d. Received a 2-D input")
+
+
 def pytest_collection_modifyitems(config, items):
     # Module-scoped Ray clusters must not overlap: keep each module's tests together, in order.
     items.sort(key=lambda item: item.fspath.strpath)

@@ -15,6 +15,7 @@ from app.config import (
 
 def test_round_trip_through_plain_dict():
     config = TrainConfig(
+        task="/home/me/my_task.py:task",
         data=DataConfig(dataset="fashion-mnist", data_dir="/d"),
         optim=OptimConfig(lr=0.1),
         loop=LoopConfig(epochs=3, global_batch_size=256, seed=7, precision="bf16"),
@@ -28,7 +29,7 @@ def test_round_trip_through_plain_dict():
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: DataConfig(dataset="cifar"),
+        lambda: DataConfig(data_dir=""),
         lambda: OptimConfig(lr=0),
         lambda: OptimConfig(lr_decay=1.5),
         lambda: LoopConfig(epochs=0),

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from app import data
-from app.config import DataConfig
 
 
 def _write_split(root, prefix, images, labels, suffix=""):
@@ -59,30 +58,47 @@ def test_corrupt_gzip_and_bad_magic_name_the_file(tmp_path):
 @pytest.mark.parametrize("suffix", ["", ".gz"])
 def test_load_normalises_once_with_reference_statistics(tmp_path, suffix):
     train, val = _fake_mnist(tmp_path, suffix=suffix)
-    dataset = data.load(DataConfig(dataset="mnist", data_dir=str(tmp_path), download=False))
-    assert dataset.train.images.shape == (20, 1, 28, 28)
-    assert dataset.train.images.dtype == torch.float32
-    assert len(dataset.val) == 10
+    train_set, val_set = data.load("mnist", tmp_path, download_missing=False)
+    images, labels = train_set.tensors
+    assert images.shape == (20, 1, 28, 28)
+    assert images.dtype == torch.float32
+    assert len(val_set) == 10
     expected = (train[3].astype(np.float32) / 255 - 0.1307) / 0.3081
-    np.testing.assert_allclose(dataset.train.images[3, 0].numpy(), expected, rtol=1e-5)
-    assert dataset.train.labels.tolist() == [i % 10 for i in range(20)]
+    np.testing.assert_allclose(images[3, 0].numpy(), expected, rtol=1e-5)
+    assert labels.tolist() == [i % 10 for i in range(20)]
 
 
 def test_missing_and_mismatched_files_name_the_file(tmp_path):
-    config = DataConfig(dataset="mnist", data_dir=str(tmp_path), download=False)
     with pytest.raises(data.DataError, match="train-images-idx3-ubyte: file not found"):
-        data.load(config)
-    assert not data.is_available(config)
+        data.load("mnist", tmp_path, download_missing=False)
     _fake_mnist(tmp_path)
     raw = data.raw_folder(tmp_path, "mnist")
     data.write_idx(raw / "t10k-labels-idx1-ubyte", np.zeros(3, dtype=np.uint8))
     with pytest.raises(data.DataError, match="t10k-labels-idx1-ubyte: 3 labels for 10 images"):
-        data.load(config)
+        data.load("mnist", tmp_path, download_missing=False)
 
 
 def test_digits_fallback_is_real_and_shaped_like_mnist():
-    dataset = data.load(DataConfig(dataset="digits"))
-    assert dataset.train.images.shape[1:] == (1, 28, 28)
-    assert len(dataset.train) + len(dataset.val) == 1797
-    assert set(dataset.val.labels.tolist()) == set(range(10))
-    assert abs(dataset.train.images.mean().item()) < 1e-3
+    train, val = data.load("digits", "unused")
+    assert train.tensors[0].shape[1:] == (1, 28, 28)
+    assert len(train) + len(val) == 1797
+    assert set(val.tensors[1].tolist()) == set(range(10))
+    assert abs(train.tensors[0].mean().item()) < 1e-3
+
+
+def test_cifar10_batches_in_torchvision_layout_load_normalised(tmp_path):
+    generator = np.random.default_rng(0)
+    folder = tmp_path / data.CIFAR10_FOLDER
+    for name in data.CIFAR10_TRAIN_FILES:
+        data.write_cifar_batch(folder / name, generator.integers(0, 256, (6, 3, 32, 32)),
+                               generator.integers(0, 10, 6))
+    val_images = generator.integers(0, 256, (4, 3, 32, 32))
+    data.write_cifar_batch(folder / data.CIFAR10_VAL_FILE, val_images, [1, 2, 3, 4])
+    train, val = data.load_cifar10(tmp_path, download_missing=False)
+    assert len(train) == 30 and train.tensors[0].shape == (30, 3, 32, 32)
+    assert val.tensors[1].tolist() == [1, 2, 3, 4]
+    expected = (val_images[2, 1] / 255 - data.CIFAR10_MEAN[1]) / data.CIFAR10_STD[1]
+    np.testing.assert_allclose(val.tensors[0][2, 1].numpy(), expected, rtol=1e-4, atol=1e-6)
+    (folder / "data_batch_3").write_bytes(b"cos\nsystem\n(S'echo pwned'\ntR.")
+    with pytest.raises(data.DataError, match="data_batch_3: not a CIFAR-10 batch file"):
+        data.load_cifar10(tmp_path, download_missing=False)

@@ -115,9 +115,9 @@ def test_a_schema_that_is_not_ours_is_refused(local_parquet, tmp_path, capsys):
     shutil.copytree(local_parquet, copy)
     part = copy / "train" / "part-00000.parquet"
     table = pq.read_table(part)
-    pq.write_table(table.set_column(2, "label", table.column("label").cast(pa.string())), part)
+    pq.write_table(table.set_column(2, "target", table.column("target").cast(pa.binary())), part)
     err = _train_error(capsys, "--parquet", str(copy))
-    assert "label: string" in err and "label: uint8" in err
+    assert "target: binary" in err and "target: fixed_size_binary[8]" in err
 
 
 def test_a_missing_part_file_is_refused(local_parquet, tmp_path, capsys):
@@ -181,20 +181,15 @@ def test_every_part_file_is_checked_not_just_the_first(local_parquet, tmp_path, 
     shutil.copytree(local_parquet, copy)
     part = copy / "val" / "part-00001.parquet"
     table = pq.read_table(part)
-    _rewrite_part(copy, part, table.set_column(2, "label", table.column("label").cast(pa.int32())))
+    _rewrite_part(copy, part, table.set_column(2, "target", pa.array(
+        [row[:4] for row in table.column("target").to_pylist()], type=pa.binary(4))))
     err = _train_error(capsys, "--parquet", str(copy))
-    assert "val/part-00001.parquet has columns" in err and "label: int32" in err
+    assert "val/part-00001.parquet has columns" in err and "target: fixed_size_binary[4]" in err
 
 
-def test_labels_the_model_cannot_predict_are_refused(local_parquet, tmp_path, capsys):
-    copy = tmp_path / "copy"
-    shutil.copytree(local_parquet, copy)
-    part = copy / "train" / "part-00003.parquet"
-    table = pq.read_table(part)
-    labels = pa.array([12] * len(table), type=pa.uint8())
-    _rewrite_part(copy, part, table.set_column(2, "label", labels))
-    err = _train_error(capsys, "--parquet", str(copy))
-    assert "has labels up to 12, but the model predicts 10 classes" in err
+def test_a_set_prepared_for_another_task_is_refused(local_parquet, tmp_path, capsys):
+    err = _train_error(capsys, "--parquet", str(local_parquet), "--task", "mnist-examples")
+    assert "was prepared for the task 'mnist-convnet', not 'mnist-examples'" in err
 
 
 def test_manifest_paths_outside_the_set_are_refused(local_parquet, tmp_path, capsys):
@@ -213,7 +208,7 @@ def test_verify_data_catches_changed_bytes(local_parquet, tmp_path, capsys):
     part = copy / "train" / "part-00002.parquet"
     table = pq.read_table(part)
     # The same schema and labels, other images: only the checksum tells.
-    pq.write_table(table.set_column(1, "image", table.column("image").take(
+    pq.write_table(table.set_column(1, "input", table.column("input").take(
         pa.array(list(reversed(range(len(table))))))), part)
     err = _train_error(capsys, "--parquet", str(copy), "--verify-data", "--epochs", "0")
     assert "epochs must be >= 1" in err  # flags are checked first
@@ -247,8 +242,8 @@ def _collect_ids(config):
     )
     for epoch in range(2):
         shard.seen_ids = []
-        batches = [len(batch.labels) for batch in shard.train_batches(epoch, start_step=0)]
-        val = sum(len(labels) for _, labels in shard.val_batches(500))
+        batches = [len(batch.targets) for batch in shard.train_batches(epoch, start_step=0)]
+        val = sum(len(targets) for _, targets in shard.val_batches(500))
         seen = {"epoch": epoch, "batches": batches, "val_rows": val,
                 "ids": [int(i) for ids in shard.seen_ids for i in ids]}
         out = Path(config["out_dir"]) / f"epoch{epoch}-rank{context.get_world_rank()}.json"
@@ -305,7 +300,7 @@ def test_trains_from_parquet_to_the_in_memory_accuracy_bar(cluster, local_parque
     )
     assert [row["epoch"] for row in summary.history] == [1, 2, 3, 4]
     assert all(row["world_size"] == 2 for row in summary.history)
-    assert summary.best_accuracy >= 0.97, summary.history
+    assert summary.best_metrics["val_accuracy"] >= 0.97, summary.history
     start = next(event for event in console.events if event["event"] == "start")
     assert (start["source"], start["num_train"], start["num_val"]) == ("parquet", 8_000, 2_000)
 
@@ -326,7 +321,7 @@ def test_streaming_rereads_every_epoch_and_needs_a_spare_cpu(cluster, local_parq
         RunConfig("stream", str(tmp_path)), console=console, manifest=manifest,
     )
     assert [row["epoch"] for row in summary.history] == [1, 2]
-    assert summary.best_accuracy >= 0.95, summary.history
+    assert summary.best_metrics["val_accuracy"] >= 0.95, summary.history
     assert "Streaming" in console.stream.getvalue()
     with pytest.raises(UserError, match="needs a CPU for Ray Data beside the 2 worker"):
         launcher.launch(

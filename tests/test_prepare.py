@@ -10,21 +10,27 @@ import pyarrow.parquet as pq
 import pyarrow.fs
 import pytest
 
+import torch
+
 from app import data, prepare
-from app.config import DataConfig, UserError
+from app.config import UserError
 
 
 def test_prepare_round_trips_every_image_with_checksums(small_mnist_dir, tmp_path, capsys):
     output = tmp_path / "parquet"
     assert prepare.main(["--data-dir", str(small_mnist_dir), "--output", str(output),
                          "--train-files", "3"]) == 0
-    assert "2,000 train / 500 validation images in 3 + 2 Parquet files" in capsys.readouterr().out
+    assert "2,000 train / 500 validation samples in 3 + 2 Parquet files" in \
+        capsys.readouterr().out
     manifest = json.loads((output / "manifest.json").read_text())
-    assert manifest["dataset"] == "mnist" and manifest["mean"] == pytest.approx(0.1307)
-    raw = data.load_raw(DataConfig(dataset="mnist", data_dir=str(small_mnist_dir)))
-    for split_name, split in (("train", raw.train), ("val", raw.val)):
+    assert (manifest["task"], manifest["dataset"]) == ("mnist-convnet", "mnist")
+    assert manifest["input"] == {"dtype": "float32", "shape": [1, 28, 28]}
+    assert manifest["target"] == {"dtype": "int64", "shape": []}
+    train, val = data.load("mnist", small_mnist_dir)
+    for split_name, split in (("train", train), ("val", val)):
+        images, labels = split.tensors
         entry = manifest["splits"][split_name]
-        assert entry["rows"] == len(split.labels)
+        assert entry["rows"] == len(labels)
         assert sum(f["rows"] for f in entry["files"]) == entry["rows"]
         for file in entry["files"]:
             path = output / file["path"]
@@ -32,23 +38,27 @@ def test_prepare_round_trips_every_image_with_checksums(small_mnist_dir, tmp_pat
         table = pq.read_table(output / split_name)
         ids = table["id"].to_numpy()
         order = np.argsort(ids)
-        assert (ids[order] == np.arange(len(split.labels))).all(), "each image once, by id"
-        images = np.frombuffer(b"".join(table["image"].to_pylist()), dtype=np.uint8)
-        images = images.reshape(-1, 28, 28)[order]
-        np.testing.assert_array_equal(images, split.images)
-        np.testing.assert_array_equal(table["label"].to_numpy()[order], split.labels)
+        assert (ids[order] == np.arange(len(labels))).all(), "each image once, by id"
+        spec = prepare.TensorSpec("float32", (1, 28, 28))
+        torch.testing.assert_close(spec.decode(table["input"])[order], images, rtol=0, atol=0)
+        targets = prepare.TensorSpec("int64", ()).decode(table["target"])
+        assert targets[order].tolist() == labels.tolist()
 
 
 def test_same_data_is_a_no_op_and_a_different_data_set_is_refused(small_mnist_dir, tmp_path):
     output = str(tmp_path / "parquet")
-    raw = data.load_raw(DataConfig(dataset="mnist", data_dir=str(small_mnist_dir)))
-    first, done = prepare.prepare(raw, output, {"train": 2, "val": 1})
+    def splits(name, data_dir):
+        train, val = data.load(name, data_dir)
+        return {"train": train.tensors, "val": val.tensors}
+
+    mnist = splits("mnist", small_mnist_dir)
+    first, done = prepare.prepare("mnist-convnet", "mnist", mnist, output, {"train": 2, "val": 1})
     assert done == "written"
-    again, done = prepare.prepare(raw, output, {"train": 2, "val": 1})
+    again, done = prepare.prepare("mnist-convnet", "mnist", mnist, output, {"train": 2, "val": 1})
     assert done == "unchanged" and again == first
-    digits = data.load_raw(DataConfig(dataset="digits"))
     with pytest.raises(UserError, match="already holds a different data set"):
-        prepare.prepare(digits, output, {"train": 2, "val": 1})
+        prepare.prepare("mnist-convnet", "digits", splits("digits", "-"), output,
+                        {"train": 2, "val": 1})
     assert json.loads((tmp_path / "parquet" / "manifest.json").read_text()) == first
 
 

@@ -31,7 +31,7 @@ from app.config import (
 )
 from app.failures import AppFailurePolicy, describe_failure, not_retryable_cause
 from app.loop import Trainer
-from app.model import ConvNet
+from app.builtin_tasks import mnist_convnet
 from app.storage import RunLock, storage_uri
 from test_loop import _splits
 
@@ -94,7 +94,8 @@ def _diverging_trainer(lr: float, every: int = 0) -> Trainer:
                          loop=LoopConfig(epochs=3, global_batch_size=16, precision="fp32"))
     train, val = _splits()
     data = InMemoryData(train, val, 16, world_size=1, rank=0, seed=0)
-    return Trainer(config, ConvNet(), data, torch.device("cpu"), 0, 1)
+    return Trainer(config, mnist_convnet, mnist_convnet.build_model(), data,
+                   torch.device("cpu"), 0, 1)
 
 
 def test_divergence_stops_at_the_step_and_never_snapshots_bad_weights():
