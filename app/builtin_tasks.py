@@ -47,7 +47,9 @@ mnist_convnet = Task(
     score="val_accuracy",
     score_mode="max",
     lr=0.5,
-    lr_decay=0.7,
+    # The book schedules no decay; measured on 8,000/2,000 real MNIST images, 2 workers, 5
+    # epochs, 2 seeds: best 98.35% and 98.45% without, 97.95% and 97.80% with StepLR(0.7).
+    lr_decay=1.0,
     global_batch_size=128,
     epochs=5,
     target=0.95,

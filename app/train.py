@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument(
         "--lr-decay", type=float, default=None,
         help="learning-rate factor applied after every epoch, unless the task schedules its "
-        "own (mnist-convnet: 0.7)",
+        "own (mnist-convnet: 1.0, no decay, as in the book)",
     )
     training.add_argument(
         "--max-batch-per-worker", type=int, default=defaults.max_batch_per_worker,
@@ -183,6 +183,13 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     if embedded:
         cluster.check_capacity(workers, nodes=cluster.local_resources())
     storage.check_storage(storage_path)
+    if args.name is not None and args.parquet is None:
+        # Before the data is loaded (or downloaded): a rerun with other settings is refused
+        # now. The data set is compared once known when the task may fall back to another.
+        early = RunConfig(name=args.name, storage_path=storage_path)
+        dataset = args.dataset or ("" if task.offline_fallback else task.default_dataset)
+        _check_resumable(early, TrainConfig(task=reference, optim=optim, loop=loop),
+                         task.name, dataset)
     data, manifest = flags.resolve_data(args, task, console, load=embedded,
                                         global_batch_size=loop.global_batch_size)
     dataset = data.dataset or task.default_dataset
@@ -204,9 +211,10 @@ def _check_resumable(run: RunConfig, config: TrainConfig, task_name: str, datase
     from app import checkpoint, storage
 
     saved = storage.latest_settings(run)
-    refusal = checkpoint.incompatibility(
-        run.name, saved, checkpoint.run_settings(config, task_name, dataset)
-    )
+    current = checkpoint.run_settings(config, task_name, dataset)
+    if not dataset:
+        del current["dataset"]  # not known yet
+    refusal = checkpoint.incompatibility(run.name, saved, current)
     if refusal is not None:
         raise UserError(refusal)
 

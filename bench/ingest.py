@@ -33,7 +33,7 @@ from app.console import Console  # noqa: E402
 
 
 def _ingest_loop(config: dict) -> None:
-    """Pull and normalise every batch of every epoch, as training does, without a model."""
+    """Pull every batch of every epoch, as training does, without a model."""
     import ray.train
     import torch
 
@@ -50,10 +50,8 @@ def _ingest_loop(config: dict) -> None:
             config[PARQUET_KEY], config["global_batch_size"], world_size, rank, seed=0,
         )
     else:
-        dataset = data.load(DataConfig(dataset="mnist", data_dir=config["data_dir"],
-                                       download=False))
-        source = InMemoryData(dataset.train, dataset.val, config["global_batch_size"],
-                              world_size, rank, seed=0)
+        train, val = data.load("mnist", config["data_dir"], download_missing=False)
+        source = InMemoryData(train, val, config["global_batch_size"], world_size, rank, seed=0)
     rates = []
     for epoch in range(config["epochs"]):
         started = time.perf_counter()
@@ -95,7 +93,7 @@ def ingest_only(data_dir: Path, manifest, stream: bool, workers: int, args, stor
 def real_step(data_dir: Path, manifest, stream: bool, workers: int, args, storage: Path):
     from app import launcher
 
-    data = DataConfig(dataset="mnist", data_dir=str(data_dir), download=False)
+    data = DataConfig(dataset="mnist", data_dir=str(data_dir))
     if manifest is not None:
         data = DataConfig(dataset="mnist", parquet=manifest.uri, stream=stream)
     summary = launcher.launch(

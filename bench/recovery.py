@@ -128,7 +128,7 @@ def main() -> None:
         prepare(args.data_dir, data_dir, 8_000)
         storage = str(Path(scratch) / "runs")
         mnist = TrainConfig(
-            data=DataConfig(dataset="mnist", data_dir=str(data_dir), download=False),
+            data=DataConfig(dataset="mnist", data_dir=str(data_dir)),
             loop=LoopConfig(epochs=args.epochs),
             checkpoint=CheckpointConfig(every_steps=10),
         )

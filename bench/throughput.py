@@ -43,7 +43,7 @@ def app_rates(data_dir: Path, storage: Path, workers: int, args, precision: str)
     from app import launcher
 
     config = TrainConfig(
-        data=DataConfig(dataset="mnist", data_dir=str(data_dir), download=False),
+        data=DataConfig(dataset="mnist", data_dir=str(data_dir)),
         loop=LoopConfig(
             epochs=args.epochs, global_batch_size=args.global_batch_size, precision=precision
         ),

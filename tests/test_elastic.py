@@ -183,7 +183,7 @@ def test_killed_worker_recovers_to_the_undisturbed_accuracy(cluster, tmp_path, m
     cluster.add_node(num_cpus=2)
     _connect(cluster)
     config = TrainConfig(
-        data=DataConfig(dataset="mnist", data_dir=str(mnist_dir), download=False),
+        data=DataConfig(dataset="mnist", data_dir=str(mnist_dir)),
         loop=LoopConfig(epochs=3),
         checkpoint=CheckpointConfig(every_steps=10),
     )

@@ -159,7 +159,7 @@ def test_world_size_sweep_with_asha_finishes_on_two_cpus(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "app.tune", "--num-workers", "1,2", "--num-samples", "1",
          "--epochs", "2", "--dataset", "digits", "--name", "sizes", "--placement-timeout", "60",
-         "--target-accuracy", "0.5"],
+         "--target", "0.5"],
         cwd=tmp_path, capture_output=True, text=True, timeout=400,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -32,7 +32,7 @@ def test_sweep_ranks_trials_and_reports_scaling(small_mnist_dir, tmp_path):
     result = _tune(
         "--lr", "0.7,0.0001", "--num-workers", "1,2", "--num-samples", "1", "--epochs", "3",
         "--scheduler", "fifo", "--data-dir", str(small_mnist_dir), "--name", "grid",
-        "--target-accuracy", "0.8", cwd=tmp_path,
+        "--target", "0.8", cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     sweep = tmp_path / "runs" / "grid"
@@ -50,7 +50,7 @@ def test_sweep_ranks_trials_and_reports_scaling(small_mnist_dir, tmp_path):
     best_checkpoint = Path(result.stdout.split("Best checkpoint: ")[1].split()[0])
     assert (best_checkpoint / "state.pt").exists()
 
-    shown = _tune("--name", "grid", "--show", "--target-accuracy", "0.8", cwd=tmp_path)
+    shown = _tune("--name", "grid", "--show", "--target", "0.8", cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
     assert "\n".join(" ".join(r) for r in rows[:1]) in "\n".join(
         " ".join(line.split()) for line in shown.stdout.splitlines()
