@@ -4,6 +4,7 @@ a user writes theirs."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -55,24 +56,13 @@ mnist_convnet = Task(
     target=0.95,
 )
 
-mnist_examples = Task(
+mnist_examples = dataclasses.replace(
+    mnist_convnet,
     name="mnist-examples",
     description="PyTorch's MNIST example network (four times the compute), for comparison",
     build_model=ExamplesConvNet,
-    build_datasets=_mnist_datasets("mnist"),
-    dataset="mnist",
-    datasets=_MNIST_DATASETS,
-    offline_fallback="digits",
-    loss=F.nll_loss,
-    build_optimizer=adadelta,
-    metrics={"accuracy": accuracy},
-    score="val_accuracy",
-    score_mode="max",
-    lr=1.0,
+    lr=1.0,  # PyTorch's example's recipe
     lr_decay=0.7,
-    global_batch_size=128,
-    epochs=5,
-    target=0.95,
 )
 
 

@@ -100,32 +100,39 @@ def missing_files(data_dir: str | Path, dataset: str) -> list[Path]:
     return [folder / stem for stem in stems if _idx_path(folder, stem) is None]
 
 
+@contextlib.contextmanager
+def _torchvision_download(data_dir: str | Path, what: str, where: Path, timeout_s: float):
+    """Around a torchvision download into ``data_dir``: a socket timeout (torchvision's urllib
+    calls have none of their own; an unreachable mirror would hang), a file lock (workers
+    sharing a node share data_dir; one downloads while the others wait), its prints silenced,
+    and any failure as one DataError saying where to put the files instead."""
+    from filelock import FileLock
+
+    Path(data_dir).mkdir(parents=True, exist_ok=True)
+    previous_timeout = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(timeout_s)
+    try:
+        with FileLock(str(Path(data_dir) / ".download.lock")), open(
+            os.devnull, "w"
+        ) as devnull, contextlib.redirect_stdout(devnull):
+            yield
+    except Exception as error:  # torchvision raises RuntimeError/URLError/OSError variously
+        raise DataError(
+            f"could not download {what} into {data_dir} ({type(error).__name__}); put its files "
+            f"in {where} or run where the internet is reachable"
+        ) from None
+    finally:
+        socket.setdefaulttimeout(previous_timeout)
+
+
 def download(data_dir: str | Path, dataset: str, timeout_s: float = 15.0) -> None:
     """Fetch ``dataset`` with torchvision into ``data_dir``; raises DataError when offline."""
     import torchvision
 
     cls = {"mnist": torchvision.datasets.MNIST, "fashion-mnist": torchvision.datasets.FashionMNIST}
-    from filelock import FileLock
-
-    Path(data_dir).mkdir(parents=True, exist_ok=True)
-    previous_timeout = socket.getdefaulttimeout()
-    # torchvision's urllib calls have no timeout of their own; an unreachable mirror would hang.
-    socket.setdefaulttimeout(timeout_s)
-    # Workers sharing a node share data_dir; one downloads while the others wait.
-    try:
-        with FileLock(str(Path(data_dir) / ".download.lock")), open(
-            os.devnull, "w"
-        ) as devnull, contextlib.redirect_stdout(devnull):
-            for train in (True, False):
-                cls[dataset](root=str(data_dir), train=train, download=True)
-    except Exception as error:  # torchvision raises RuntimeError/URLError/OSError variously
-        raise DataError(
-            f"could not download {dataset} into {data_dir} ({type(error).__name__}); "
-            f"put its IDX files in {raw_folder(data_dir, dataset)} or run where the internet "
-            "is reachable"
-        ) from None
-    finally:
-        socket.setdefaulttimeout(previous_timeout)
+    with _torchvision_download(data_dir, dataset, raw_folder(data_dir, dataset), timeout_s):
+        for train in (True, False):
+            cls[dataset](root=str(data_dir), train=train, download=True)
 
 
 def normalise(images: np.ndarray, mean: float, std: float) -> torch.Tensor:
@@ -285,24 +292,9 @@ def write_cifar_batch(path: Path, images: np.ndarray, labels: np.ndarray) -> Non
 
 def _download_cifar10(data_dir: str | Path, timeout_s: float = 60.0) -> None:
     import torchvision
-    from filelock import FileLock
 
-    Path(data_dir).mkdir(parents=True, exist_ok=True)
-    previous_timeout = socket.getdefaulttimeout()
-    socket.setdefaulttimeout(timeout_s)
-    try:
-        with FileLock(str(Path(data_dir) / ".download.lock")), open(
-            os.devnull, "w"
-        ) as devnull, contextlib.redirect_stdout(devnull):
-            torchvision.datasets.CIFAR10(root=str(data_dir), train=True, download=True)
-    except Exception as error:  # noqa: BLE001 - torchvision raises many types
-        raise DataError(
-            f"could not download CIFAR-10 into {data_dir} ({type(error).__name__}); put its "
-            f"batch files in {Path(data_dir) / CIFAR10_FOLDER} or run where the internet is "
-            "reachable"
-        ) from None
-    finally:
-        socket.setdefaulttimeout(previous_timeout)
+    with _torchvision_download(data_dir, "CIFAR-10", Path(data_dir) / CIFAR10_FOLDER, timeout_s):
+        torchvision.datasets.CIFAR10(root=str(data_dir), train=True, download=True)
 
 
 def load_cifar10(data_dir: str | Path,

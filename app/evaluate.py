@@ -17,14 +17,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import pyarrow as pa
 import pyarrow.fs
 import torch
 
-from app import checkpoint
+from app import checkpoint, flags
 from app.cli import HelpFormatter, Parser, run_main
 from app.config import PRECISIONS, UserError
 from app.console import Console
+from app import storage
 from app.storage import join, storage_uri
 from app.task import Task, load_task
 
@@ -49,11 +49,7 @@ class Loaded:
 
 
 def _filesystem(uri: str) -> tuple[pyarrow.fs.FileSystem, str]:
-    try:
-        filesystem, path = pyarrow.fs.FileSystem.from_uri(uri)
-    except (pa.ArrowInvalid, OSError) as error:
-        raise UserError(f"cannot use {uri} as a checkpoint location: {error}") from None
-    return filesystem, path.rstrip("/")
+    return storage.filesystem(uri, "checkpoint")
 
 
 def _is_file(filesystem, path: str) -> bool:
@@ -225,13 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
         "every metric of the task, as the run's validation computed them.",
         formatter_class=HelpFormatter,
     )
-    parser.add_argument(
-        "--checkpoint", required=True, metavar="PATH|s3://...",
-        help="a checkpoint folder (checkpoint_epoch_NNNN), or a run folder: its best checkpoint "
-        "by the task's score",
-    )
-    parser.add_argument("--task", default=None,
-                        help="the task [default: the one recorded in the checkpoint]")
+    flags.add_checkpoint_arguments(parser)
     parser.add_argument("--dataset", default=None,
                         help="one of the task's data sets [default: the run's]")
     parser.add_argument("--data-dir", default=None,

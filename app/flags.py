@@ -54,6 +54,17 @@ def add_cluster_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGr
     )
 
 
+def add_checkpoint_arguments(parser: argparse.ArgumentParser, where: str = "") -> None:
+    """--checkpoint and --task, for the commands that use a trained model."""
+    parser.add_argument(
+        "--checkpoint", required=True, metavar="PATH|s3://...",
+        help="a checkpoint folder (checkpoint_epoch_NNNN), or a run folder: its best checkpoint "
+        f"by the task's score{where}",
+    )
+    parser.add_argument("--task", default=None,
+                        help="the task [default: the one recorded in the checkpoint]")
+
+
 def resolve_task(args: argparse.Namespace, fill_defaults: bool = True) -> tuple[str, Task]:
     """The task's reference (as workers and checkpoints keep it) and the task; with
     ``fill_defaults``, fills the flags left at None (TASK_DEFAULTS) with the task's defaults."""
@@ -110,17 +121,13 @@ def resolve_data(
         return DataConfig(dataset=name, data_dir=args.data_dir), None
     try:
         train, _ = build_datasets(task, "", args.data_dir)
-    except UserError as error:
+    except UserError:
         console.line(
-            f"{task.default_dataset} is not in {args.data_dir} and cannot be downloaded "
-            f"({_first_sentence(error)}): training on {task.offline_fallback} instead."
+            f"{task.default_dataset} is not in {args.data_dir} and cannot be downloaded: "
+            f"training on {task.offline_fallback} instead (--dataset chooses)."
         )
         name = task.offline_fallback
         train, _ = build_datasets(task, name, args.data_dir)
     if batch is not None:
         check_batch_fits(batch, len(train), name or task.default_dataset)
     return DataConfig(dataset=name, data_dir=args.data_dir), None
-
-
-def _first_sentence(error: Exception) -> str:
-    return str(error).split(";")[0]

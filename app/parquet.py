@@ -22,6 +22,7 @@ import torch
 
 from app.batching import TrainBatch, rank_seed, val_range
 from app.config import DataConfig, UserError
+from app.storage import filesystem as storage_filesystem, join
 from app.prepare import FORMAT, MANIFEST, TensorSpec, changed_files, is_inside, schema
 
 SHUFFLE_BUFFER_ROWS = 2_000
@@ -63,15 +64,11 @@ def _storage_error(uri: str, error: BaseException) -> UserError:
 
 
 def _filesystem(uri: str) -> tuple[pyarrow.fs.FileSystem, str]:
-    try:
-        filesystem, root = pyarrow.fs.FileSystem.from_uri(uri)
-    except (pa.ArrowInvalid, OSError) as error:
-        raise UserError(f"cannot use {uri} as a data location: {error}") from None
-    return filesystem, root.rstrip("/")
+    return storage_filesystem(uri, "data")
 
 
 def _uri(uri: str, relative: str) -> str:
-    return f"{uri.rstrip('/')}/{relative}"
+    return join(uri, relative)
 
 
 def open_manifest(uri: str, verify: bool = False) -> Manifest:

@@ -69,13 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
         "Parquet (id, output, and prediction for a classifier).",
         formatter_class=HelpFormatter,
     )
-    parser.add_argument(
-        "--checkpoint", required=True, metavar="PATH|s3://...",
-        help="a checkpoint folder, or a run folder (its best checkpoint by the task's score); "
-        "every actor reads it, so on a multi-node cluster give shared storage or s3://",
+    flags.add_checkpoint_arguments(
+        parser, "; every actor reads it, so on a multi-node cluster give shared storage or s3://"
     )
-    parser.add_argument("--task", default=None,
-                        help="the task [default: the one recorded in the checkpoint]")
     parser.add_argument("--parquet", required=True, metavar="PATH|s3://...",
                         help="the Parquet data set (written by app.prepare) to predict on")
     parser.add_argument("--split", choices=("val", "train"), default="val",

@@ -95,8 +95,10 @@ def png_bytes(figure, title: str) -> bytes:
 
 def write(run_uri: str, history: list[dict[str, Any]], title: str) -> tuple[str, str]:
     """Write metrics.csv and curves.png under ``run_uri``; returns their locations."""
-    metrics_uri = f"{run_uri.rstrip('/')}/{METRICS_FILE}"
-    curves_uri = f"{run_uri.rstrip('/')}/{CURVES_FILE}"
+    from app.storage import join
+
+    metrics_uri = join(run_uri, METRICS_FILE)
+    curves_uri = join(run_uri, CURVES_FILE)
     write_file(metrics_uri, metrics_csv(history))
     write_file(curves_uri, curves_png(history, title))
     return metrics_uri, curves_uri

@@ -49,6 +49,16 @@ def storage_uri(path: str, flag: str = "--storage-path") -> str:
     return path
 
 
+def filesystem(uri: str, what: str = "storage") -> tuple[pyarrow.fs.FileSystem, str]:
+    """The filesystem of ``uri`` and the path in it (no trailing slash); UserError naming
+    ``what`` the location was for when pyarrow cannot use it."""
+    try:
+        found, path = pyarrow.fs.FileSystem.from_uri(uri)
+    except (pyarrow.ArrowInvalid, OSError) as error:
+        raise UserError(f"cannot use {uri} as a {what} location: {error}") from None
+    return found, path.rstrip("/")
+
+
 def join(base: str, *parts: str) -> str:
     """``base/part/...`` for a folder or a URI (no doubled slashes)."""
     return "/".join([base.rstrip("/"), *(part.strip("/") for part in parts)])
@@ -78,8 +88,6 @@ def run_exists(run: RunConfig) -> bool:
 def latest_settings(run: RunConfig) -> dict:
     """The settings recorded in the run's newest checkpoint ({} when there is none, or it
     predates them); what a rerun of the run is checked against before any worker starts."""
-    import json
-
     from app.checkpoint import SETTINGS_FILE, age_order
 
     filesystem, path = pyarrow.fs.FileSystem.from_uri(run.storage_path)

@@ -37,7 +37,7 @@ def test_help_describes_every_flag(tmp_path):
     for flag in (
         "--num-workers", "--use-gpu", "--cpus-per-worker", "--epochs", "--global-batch-size",
         "--lr", "--dataset", "--data-dir", "--storage-path", "--name", "--seed", "--address",
-        "--verbose",
+        "--verbose", "--task", "mnist-convnet", "mnist-examples", "cifar10-resnet18",
     ):
         assert flag in result.stdout
 
@@ -50,7 +50,11 @@ def test_help_describes_every_flag(tmp_path):
         (["--epochs", "0"], "epochs must be >= 1"),
         (["--epochs", "two"], "invalid int value"),
         (["--lr", "-0.1"], "learning rate must be a finite number > 0"),
-        (["--dataset", "imagenet"], "invalid choice"),
+        (["--dataset", "imagenet"],
+         "task mnist-convnet has no data set 'imagenet': choose one of mnist, fashion-mnist, digits"),
+        (["--task", "nope"], "give a built-in task (mnist-convnet, mnist-examples"),
+        (["--task", "no/such/task.py:task"], "is not a file"),
+        (["--task", "json:dumps"], "dumps() failed"),
         (["--global-batch-size", "1", "--num-workers", "2"], "smaller than the 2 workers"),
         (["--name", "a/b"], "run name"),
         (["--name", "x" * 300], "run name is 300 characters long"),

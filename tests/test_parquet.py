@@ -380,6 +380,20 @@ def test_s3_data_and_checkpoints_survive_a_killed_driver(cluster, mnist_dir, tmp
     assert [int(row.split(",")[0]) for row in rows] == [1, 2]
     final = filesystem.get_file_info("runs/team/s3run/checkpoint_epoch_0002/state.pt")
     assert final.type == pyarrow.fs.FileType.File
+    # app.evaluate reads the checkpoint and the run's Parquet data from S3 and gets the run's
+    # own validation numbers.
+    scored = subprocess.run(
+        [sys.executable, "-m", "app.evaluate", "--checkpoint",
+         "s3://runs/team/s3run/checkpoint_epoch_0002", "--json"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert scored.returncode == 0, scored.stderr
+    recorded = dict(zip(["epoch", "step", "world_size", "train_loss", "val_loss",
+                         "val_accuracy"], rows[1].split(",")[:6]))
+    values = json.loads(scored.stdout)
+    assert values["num_samples"] == 2_000
+    assert values["val_accuracy"] == pytest.approx(float(recorded["val_accuracy"]), abs=1e-3)
+    assert values["val_loss"] == pytest.approx(float(recorded["val_loss"]), rel=2e-3)
 
 
 def test_open_manifest_reads_what_prepare_wrote(local_parquet):
