@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 from app.config import DataConfig, UserError
 from app.console import Console
-from app.task import BUILTIN_HELP, DEFAULT_TASK, Task, build_datasets, load_task, \
-    resolve_reference
+from app.task import BUILTIN_HELP, DEFAULT_TASK, Task, build_datasets, check_on_samples, \
+    load_task, resolve_reference
 
 if TYPE_CHECKING:
     from app.parquet import Manifest
@@ -116,6 +116,7 @@ def resolve_data(
     if name or not task.offline_fallback:
         if load:
             train, _ = build_datasets(task, name, args.data_dir)
+            check_on_samples(task, train)
             if batch is not None:
                 check_batch_fits(batch, len(train), name or task.default_dataset)
         return DataConfig(dataset=name, data_dir=args.data_dir), None
@@ -128,6 +129,7 @@ def resolve_data(
         )
         name = task.offline_fallback
         train, _ = build_datasets(task, name, args.data_dir)
+    check_on_samples(task, train)
     if batch is not None:
         check_batch_fits(batch, len(train), name or task.default_dataset)
     return DataConfig(dataset=name, data_dir=args.data_dir), None

@@ -221,6 +221,45 @@ def load_task(reference: str) -> Task:
     return value
 
 
+def call(task: Task, what: str, function: Callable, *args):
+    """``function(*args)`` of the user's task; its exception as one UserError saying which
+    part of which task failed (no retry can fix it)."""
+    try:
+        return function(*args)
+    except UserError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the user's code
+        raise UserError(f"task {task.name}: {what} failed: {type(error).__name__}: "
+                        f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+                        ) from None
+
+
+def check_on_samples(task: Task, train: Dataset) -> None:
+    """The task's model, loss and metrics on two training samples, before any worker starts:
+    a shape or dtype mistake in a user's task is one line now, not a failed run later."""
+    from app.batching import rows
+
+    inputs, targets = rows(train, torch.arange(min(2, len(train))))
+    model = call(task, "build_model()", task.build_model)
+    call(task, "build_optimizer(parameters, lr)", task.build_optimizer, model.parameters(),
+         task.lr)
+    with torch.no_grad():
+        output = call(task, "the model's forward pass on two training samples",
+                      model.eval(), inputs)
+        loss = call(task, "loss(output, target)", task.loss, output.float(), targets)
+        if not isinstance(loss, Tensor) or loss.ndim != 0:
+            raise UserError(f"task {task.name}: loss(output, target) must return the batch "
+                            f"mean, a scalar tensor; it returned shape "
+                            f"{tuple(getattr(loss, 'shape', ()))}")
+        for name, metric in task.metrics.items():
+            values = call(task, f"metric {name!r}", metric, output.float(), targets)
+            if not isinstance(values, Tensor) or tuple(values.shape[:1]) != (len(targets),) \
+                    or values.ndim != 1:
+                raise UserError(f"task {task.name}: metric {name!r} must return one value per "
+                                f"sample (shape ({len(targets)},)); it returned shape "
+                                f"{tuple(getattr(values, 'shape', ()))}")
+
+
 def build_datasets(task: Task, dataset: str, data_dir: str) -> tuple[Dataset, Dataset]:
     """The task's (training, validation) sets, checked; the task's own errors as one line."""
     try:

@@ -23,7 +23,7 @@ from app.progress import send
 from app.batching import InMemoryData, TrainData
 from app.config import StorageFailure, TrainConfig, UserError
 from app.loop import Trainer, parameter_checksum
-from app.task import Task, build_datasets, load_task
+from app.task import Task, build_datasets, call, load_task
 
 PROGRESS_KEY = "progress_queue"
 """Optional key of the worker config: a ray.util.queue.Queue that rank 0 sends progress to."""
@@ -155,10 +155,11 @@ def _train(config: TrainConfig, worker_config: dict[str, Any], progress) -> None
     dataset_name, train_data = _train_data(config, task, worker_config, rank, world_size)
     batching.check_batch_fits(config.loop.global_batch_size, train_data.num_train, dataset_name)
     torch.manual_seed(config.loop.seed)  # identical initial weights on every rank
-    model = task.build_model()
+    model = call(task, "build_model()", task.build_model)
+    optimizer = call(task, "build_optimizer(parameters, lr)", task.build_optimizer,
+                     model.parameters(), config.optim.lr)
     settings = checkpoint.run_settings(
-        config, task.name, dataset_name,
-        optimizer=type(task.build_optimizer(model.parameters(), config.optim.lr)).__name__,
+        config, task.name, dataset_name, optimizer=type(optimizer).__name__,
         parameters=checkpoint.parameter_shapes(model),
     )
     state = _restore(progress, rank, settings)

@@ -195,3 +195,25 @@ def test_cifar_resnet18_task_takes_a_step_on_cifar_shaped_data(tmp_path):
     assert type(trainer.optimizer).__name__ == "SGD"
     assert type(trainer.scheduler).__name__ == "CosineAnnealingLR"
     assert set(trainer.evaluate().metrics) == {"val_accuracy"}
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"loss": lambda output, target: (output - target) ** 2},
+     r"loss\(output, target\) must return the batch mean, a scalar tensor; it returned shape "
+     r"\(2, 1\)"),
+    ({"metrics": {"mae": lambda output, target: (output - target).abs().mean()}},
+     r"metric 'mae' must return one value per sample \(shape \(2,\)\)"),
+    ({"build_model": lambda: torch.nn.Linear(7, 1)},
+     r"the model's forward pass on two training samples failed: RuntimeError"),
+    ({"build_model": lambda: 1 / 0}, r"build_model\(\) failed: ZeroDivisionError"),
+])
+def test_a_task_that_cannot_run_is_one_line_before_any_worker_starts(changes, message):
+    import dataclasses
+
+    from app.task import check_on_samples
+
+    task = dataclasses.replace(load_task(USER_TASK), **changes)
+    train, _ = task.build_datasets("unused")
+    with pytest.raises(UserError, match=message):
+        check_on_samples(task, train)
+    check_on_samples(load_task(USER_TASK), train)  # the task as written passes
