@@ -28,12 +28,27 @@ class Console:
         self.events: list[dict[str, Any]] = []
         self._header_shown = False
         self._metrics: list[str] = []
+        self.launched: float | None = None
+        """When the launcher asked Ray Train for the worker group; set to print, on every
+        start, where the seconds before the first step went (--verbose)."""
 
     def line(self, text: str = "") -> None:
         print(text, file=self.stream, flush=True)
 
+    def _timings(self, event: dict[str, Any]) -> None:
+        phases = event.get("phases")
+        if self.launched is None or not phases:
+            return
+        self.line(
+            f"Start: workers running {phases['worker_entry'] - self.launched:.1f} s after launch; "
+            f"data {phases['data_loaded'] - phases['worker_entry']:.1f} s; model and process "
+            f"group {phases['model_ready'] - phases['data_loaded']:.1f} s; first step at "
+            f"{event['time'] - self.launched:.1f} s."
+        )
+
     def start(self, event: dict[str, Any]) -> None:
         """The worker group (re)started: say with what, and from where."""
+        self._timings(event)
         device = "GPU" if event["device"] == "cuda" else "CPU"
         if event["resumed_at_epoch"] is not None and event["resumed_at_epoch"] >= event["epochs"]:
             self.line(

@@ -306,6 +306,8 @@ def launch(
     if run_exists(run):
         console.line(f"Run {run.name!r} exists in {run.storage_path}: resuming it.")
     datasets, extras = data_inputs(train_config, workers, manifest, console, verbose)
+    if verbose:
+        console.launched = time.time()
     result = fit_watched(
         lambda progress: make_trainer(
             train_config, workers, run, fault_tolerance=fault_tolerance, verbose=verbose,

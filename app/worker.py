@@ -139,13 +139,15 @@ def _train_data(config: TrainConfig, task: Task, worker_config: dict[str, Any], 
 
 
 def train_loop_per_worker(worker_config: dict[str, Any]) -> None:
+    entered = time.time()
     progress = worker_config.get(PROGRESS_KEY)
     rank = ray.train.get_context().get_world_rank()
     with _heartbeat(progress) if rank == 0 else contextlib.nullcontext():
-        _train(TrainConfig.from_dict(worker_config), worker_config, progress)
+        _train(TrainConfig.from_dict(worker_config), worker_config, progress, entered)
 
 
-def _train(config: TrainConfig, worker_config: dict[str, Any], progress) -> None:
+def _train(config: TrainConfig, worker_config: dict[str, Any], progress,
+           entered: float) -> None:
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     # More threads than owned CPUs makes workers on one machine fight over cores.
@@ -154,6 +156,7 @@ def _train(config: TrainConfig, worker_config: dict[str, Any], progress) -> None
     task = load_task(config.task)
     dataset_name, train_data = _train_data(config, task, worker_config, rank, world_size)
     batching.check_batch_fits(config.loop.global_batch_size, train_data.num_train, dataset_name)
+    data_loaded = time.time()
     torch.manual_seed(config.loop.seed)  # identical initial weights on every rank
     model = call(task, "build_model()", task.build_model)
     optimizer = call(task, "build_optimizer(parameters, lr)", task.build_optimizer,
@@ -167,6 +170,7 @@ def _train(config: TrainConfig, worker_config: dict[str, Any], progress) -> None
     device = ray.train.torch.get_device()
     trainer = Trainer(config, task, model, train_data, device, rank, world_size, state)
     trainer.state.settings = settings
+    model_ready = time.time()
 
     reporter = _Reporter(trainer, rank, world_size, progress)
     if rank == 0:
@@ -189,6 +193,10 @@ def _train(config: TrainConfig, worker_config: dict[str, Any], progress) -> None
                 "resumed_at_epoch": trainer.epochs_done if state is not None else None,
                 "resumed_at_epoch_step": trainer.state.epoch_step if state is not None else 0,
                 "epochs": config.loop.epochs,
+                # When rank 0 entered the loop, had its data, had the model (with DDP's
+                # process group): where a start's seconds go (``--verbose``, bench/startup.py).
+                "phases": {"worker_entry": entered, "data_loaded": data_loaded,
+                           "model_ready": model_ready},
                 # Sent just before the first step: restarts are timed from loss to here.
                 "time": time.time(),
             },

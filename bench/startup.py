@@ -1,0 +1,150 @@
+"""Where a run's fixed cost goes: command start to exit, minus the epochs' training seconds.
+
+Runs, in one invocation on the same data (the real MNIST images, 8,000 for training), a
+1-epoch, 2-worker ``python -m app.train`` on an embedded cluster as a person would (its wall
+time and the training seconds it reports), then the same run phase by phase in this process:
+
+    interpreter and imports | ray.init | launch -> workers running | data | model and process
+    group | first step | training | last epoch row -> results written | shutdown
+
+and, as the baseline, how long Ray Train itself takes from ``TorchTrainer.fit()`` to the first
+line of a no-op training function, and to the end of ``fit()``, on the same cluster.
+
+    python bench/startup.py --data-dir ../shared/datasets/mnist [--workers 2] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from throughput import prepare  # noqa: E402  (the same 8,000 / 2,000 split)
+
+
+def cli_run(data_dir: Path, workers: int, storage: Path, name: str) -> tuple[float, float]:
+    """(wall seconds of the whole command, training seconds it reported)."""
+    started = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-m", "app.train", "--num-workers", str(workers), "--epochs", "1",
+         "--data-dir", str(data_dir), "--storage-path", str(storage), "--name", name],
+        capture_output=True, text=True,
+    )
+    wall = time.perf_counter() - started
+    if result.returncode != 0:
+        raise SystemExit(f"app.train failed:\n{result.stdout}\n{result.stderr}")
+    rows = list(csv.DictReader((storage / name / "metrics.csv").open()))
+    return wall, sum(float(row["epoch_seconds"]) for row in rows)
+
+
+def imports_seconds() -> float:
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import app.train, app.launcher, app.cluster"],
+                   check=True)
+    return time.perf_counter() - started
+
+
+def phases(data_dir: Path, workers: int, storage: Path, name: str) -> dict[str, float]:
+    """The same run in this process, timed phase by phase (seconds)."""
+    from app import cluster, launcher
+    from app.config import DataConfig, LoopConfig, RunConfig, TrainConfig, WorkersConfig
+    from app.console import Console
+
+    started = time.time()
+    cluster.connect(None, verbose=False)
+    connected = time.time()
+    console = Console(io.StringIO())
+    try:
+        launcher.launch(
+            TrainConfig(data=DataConfig(data_dir=str(data_dir)), loop=LoopConfig(epochs=1)),
+            WorkersConfig(min_workers=workers, max_workers=workers),
+            RunConfig(name, str(storage)), console=console, verbose=False,
+        )
+        returned = time.time()
+    finally:
+        cluster.disconnect()
+    ended = time.time()
+    start = next(event for event in console.events if event["event"] == "start")
+    epoch = next(event for event in console.events if event["event"] == "epoch")
+    launched = connected  # launch() begins right after connecting
+    marks = start["phases"]
+    return {
+        "ray.init": connected - started,
+        "launch -> workers running": marks["worker_entry"] - launched,
+        "data": marks["data_loaded"] - marks["worker_entry"],
+        "model and process group": marks["model_ready"] - marks["data_loaded"],
+        "-> first step": start["time"] - marks["model_ready"],
+        "epoch (training, validation, checkpoint)": epoch["received"] - start["time"],
+        "  of which training": epoch["epoch_seconds"],
+        "last epoch row -> results written": returned - epoch["received"],
+        "shutdown": ended - returned,
+    }
+
+
+def _bare_loop(config: dict) -> None:
+    config["queue"].put(time.time())
+
+
+def bare_ray_train(workers: int, storage: Path) -> tuple[float, float]:
+    """(seconds from fit() to the no-op loop's first line, seconds of the whole fit())."""
+    import ray
+    import ray.cloudpickle
+    import ray.train
+    from ray.train.torch import TorchTrainer
+    from ray.util.queue import Queue
+
+    from app import cluster
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cluster.connect(None, verbose=False)
+    try:
+        queue = Queue(actor_options={"num_cpus": 0})
+        started = time.time()
+        TorchTrainer(
+            _bare_loop, train_loop_config={"queue": queue},
+            scaling_config=ray.train.ScalingConfig(num_workers=workers),
+            run_config=ray.train.RunConfig(storage_path=str(storage), name="bare"),
+        ).fit()
+        ended = time.time()
+        entered = queue.get(timeout=10)
+    finally:
+        cluster.disconnect()
+    return entered - started, ended - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir", required=True,
+                        help="folder with MNIST/raw/t10k-*.gz (the 10,000 real images)")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as temporary:
+        root = Path(temporary)
+        data_dir = root / "data"
+        prepare(args.data_dir, data_dir, 8_000)
+        os.chdir(root)
+        for repeat in range(args.repeats):
+            wall, training = cli_run(data_dir, args.workers, root / "runs", f"cli-{repeat}")
+            print(f"python -m app.train, 1 epoch, {args.workers} workers: {wall:.1f} s wall, "
+                  f"{training:.1f} s training -> fixed cost {wall - training:.1f} s", flush=True)
+        print(f"interpreter and imports: {imports_seconds():.1f} s")
+        measured = phases(data_dir, args.workers, root / "runs", "phases")
+        for phase, seconds in measured.items():
+            print(f"{phase:<42} {seconds:6.1f} s")
+        to_entry, whole = bare_ray_train(args.workers, root / "runs")
+        print(f"baseline, Ray Train alone (a no-op loop, {args.workers} workers): fit() -> loop "
+              f"entered {to_entry:.1f} s, whole fit() {whole:.1f} s; the app's launch -> workers "
+              f"running is {measured['launch -> workers running'] / to_entry:.2f}x that")
+
+
+if __name__ == "__main__":
+    main()
