@@ -107,17 +107,19 @@ class CheckpointConfig:
     """Keep the best K checkpoints by the task's score (the latest is always kept too)."""
     every_steps: int = 0
     """Also checkpoint every N optimiser steps inside an epoch (0: at epoch ends only)."""
-    preemption_check_steps: int = 10
-    """Ask Ray every N steps whether a node of this run is being drained (a collective)."""
+    preemption_check_s: float = 5.0
+    """Ask Ray about every this many seconds whether a node of this run is being drained (a
+    collective: the ranks agree on the step, ``loop.TimedSchedule``)."""
 
     def __post_init__(self):
         if self.num_to_keep < 1:
             raise UserError(f"checkpoints to keep must be >= 1, got {self.num_to_keep}")
         if self.every_steps < 0:
             raise UserError(f"checkpoint interval must be >= 0 steps, got {self.every_steps}")
-        if self.preemption_check_steps < 1:
+        if not (self.preemption_check_s > 0 and math.isfinite(self.preemption_check_s)):
             raise UserError(
-                f"preemption check interval must be >= 1 step, got {self.preemption_check_steps}"
+                f"preemption check interval must be a finite number of seconds > 0, got "
+                f"{self.preemption_check_s}"
             )
 
 

@@ -113,11 +113,42 @@ def score_batches(task: Task, model: nn.Module, batches, device: torch.device,
     return sums, count
 
 
-def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+def _all_reduce_sum(values: list[float], device: torch.device,
+                    op=dist.ReduceOp.SUM) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, op=op)
     return tensor.tolist()
+
+
+class TimedSchedule:
+    """The steps at which every rank does something together (a collective), about every
+    ``period_s`` seconds.
+
+    Each rank's clock would pick a different step, and a collective needs all of them at the
+    same one. So at every due step the ranks all-reduce the seconds since the previous due step
+    (the maximum), and each derives the next due step from that one shared number: the same on
+    every rank. One small all-reduce per due step, nothing per step.
+    """
+
+    def __init__(self, period_s: float, device: torch.device, start_step: int,
+                 first_after: int = 1):
+        self.period_s = period_s
+        self.device = device
+        self.next_step = start_step + first_after
+        self._last_step = start_step
+        self._last_time = time.perf_counter()
+
+    def due(self, step: int) -> bool:
+        return step >= self.next_step
+
+    def reschedule(self, step: int) -> None:
+        """After the due ``step`` (a collective: every rank calls it at that step)."""
+        now = time.perf_counter()
+        (elapsed,) = _all_reduce_sum([now - self._last_time], self.device, op=dist.ReduceOp.MAX)
+        steps_per_second = (step - self._last_step) / max(elapsed, 1e-6)
+        self.next_step = step + max(1, round(self.period_s * steps_per_second))
+        self._last_step, self._last_time = step, now
 
 
 class Trainer:

@@ -22,7 +22,7 @@ from app import batching, checkpoint
 from app.progress import send
 from app.batching import InMemoryData, TrainData
 from app.config import StorageFailure, TrainConfig, UserError
-from app.loop import Trainer, parameter_checksum
+from app.loop import TimedSchedule, Trainer, parameter_checksum
 from app.task import Task, build_datasets, call, load_task
 
 PROGRESS_KEY = "progress_queue"
@@ -203,13 +203,15 @@ def _train(config: TrainConfig, worker_config: dict[str, Any], progress,
         )
 
     interval = config.checkpoint.every_steps
-    check_every = config.checkpoint.preemption_check_steps
+    preemption_checks = TimedSchedule(config.checkpoint.preemption_check_s, device,
+                                      start_step=trainer.state.step)
     preemption_handled = False
 
     def after_step() -> None:
         nonlocal preemption_handled
         step = trainer.state.step
-        if not preemption_handled and step % check_every == 0:
+        if not preemption_handled and preemption_checks.due(step):
+            preemption_checks.reschedule(step)
             # A collective (every rank asks at the same step). When a node of this run is being
             # drained, checkpoint now: nothing since is lost when the node goes.
             notice = ray.train.get_preemption_info()

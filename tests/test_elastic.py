@@ -257,7 +257,7 @@ def test_drained_node_gets_a_checkpoint_before_its_deadline(cluster, tmp_path, m
     drained = cluster.add_node(num_cpus=1)
     _connect(cluster)
     run = BackgroundRun(
-        _digits(40, preemption_check_steps=2), _elastic(1, 2), RunConfig("drain", str(tmp_path)),
+        _digits(40, preemption_check_s=0.5), _elastic(1, 2), RunConfig("drain", str(tmp_path)),
         FaultToleranceConfig(max_failures=3, resize_interval_s=2),
     )
     run.wait_for(lambda e: e["event"] == "epoch" and e["world_size"] == 2)
