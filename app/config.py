@@ -107,9 +107,11 @@ class CheckpointConfig:
     """Keep the best K checkpoints by the task's score (the latest is always kept too)."""
     every_steps: int = 0
     """Also checkpoint every N optimiser steps inside an epoch (0: at epoch ends only)."""
-    preemption_check_s: float = 5.0
-    """Ask Ray about every this many seconds whether a node of this run is being drained (a
-    collective: the ranks agree on the step, ``loop.TimedSchedule``)."""
+    preemption_check_s: float = 2.0
+    """About every this many seconds the ranks check together (on a step they agree on,
+    ``loop.TimedSchedule``) whether a node of the run is being drained and whether the
+    controller waits on a checkpoint to grow the group: one small all-reduce and a query or two,
+    so a drain or a join is acted on within about this long."""
 
     def __post_init__(self):
         if self.num_to_keep < 1:

@@ -112,6 +112,11 @@ class Console:
                       "latest checkpoint.")  # which the CLI then says in its error line
         elif event["event"] == "warning":
             self.line(f"warning: {event['message']}")
+        elif event["event"] == "partial" and event["reason"] == "resize":
+            self.line(
+                f"The cluster has room for more workers: checkpointed at step "
+                f"{event['epoch_step']} of epoch {event['epoch'] + 1} to grow from there."
+            )
         elif event["event"] == "partial" and event["reason"] == "preemption":
             self.line(
                 f"A node is being drained: checkpointed at step {event['epoch_step']} of epoch "

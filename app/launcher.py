@@ -23,6 +23,7 @@ from app import checkpoint, cluster, parquet, results
 from app.cluster import ClusterWatch
 from app.failures import AppFailurePolicy, FailureReporter, not_retryable_cause
 from app.placement import PlacementGroupReaper
+from app.resize import RESIZE_SIGNAL_KEY, CheckpointFirstScalingPolicy, ResizeSignal
 from app.storage import run_exists
 from app.config import (
     FaultToleranceConfig,
@@ -64,14 +65,21 @@ class RunSummary:
 
 class AppTorchTrainer(TorchTrainer):
     """TorchTrainer with this app's failure policy (``app.failures``): errors that no restart
-    can fix end the run; a worker lost while the group restarts is one more failure."""
+    can fix end the run; a worker lost while the group restarts is one more failure. An elastic
+    run also gets the app's scaling policy (``app.resize``): the workers checkpoint before the
+    group grows."""
 
     def _initialize_and_run_controller(self, **controller_init_kwargs) -> ray.train.Result:
-        # Ray Train builds its default policy from FailureConfig and offers no hook to choose
-        # another; the controller takes it as an argument (ray 2.60, pinned in pyproject.toml).
+        # Ray Train builds its default policies from its configs and offers no hook to choose
+        # others; the controller takes them as arguments (ray 2.60, pinned in pyproject.toml).
+        worker_config = self.train_loop_config or {}
         controller_init_kwargs["failure_policy"] = AppFailurePolicy(
-            self.run_config.failure_config, (self.train_loop_config or {}).get(PROGRESS_KEY)
+            self.run_config.failure_config, worker_config.get(PROGRESS_KEY)
         )
+        if worker_config.get(RESIZE_SIGNAL_KEY) is not None:
+            controller_init_kwargs["scaling_policy"] = CheckpointFirstScalingPolicy(
+                self.scaling_config, worker_config[RESIZE_SIGNAL_KEY]
+            )
         return super()._initialize_and_run_controller(**controller_init_kwargs)
 
 
@@ -118,6 +126,15 @@ class _ProgressPump:
         except (queue_module.Empty, ray.exceptions.RayError):
             pass
         ray.kill(self.queue.actor)
+
+
+def _resize_signal(workers: WorkersConfig) -> dict[str, Any]:
+    """The worker-config entry of an elastic run's ResizeSignal actor; none for a fixed size."""
+    if not workers.is_elastic:
+        return {}
+    # On the driver's node, like Ray Train's controller: a worker node may leave mid-run.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return {RESIZE_SIGNAL_KEY: ResizeSignal.options(scheduling_strategy=here).remote()}
 
 
 def _fit_interruptibly(trainer: TorchTrainer, watch: Callable[[], None]) -> ray.train.Result:
@@ -311,7 +328,8 @@ def launch(
     result = fit_watched(
         lambda progress: make_trainer(
             train_config, workers, run, fault_tolerance=fault_tolerance, verbose=verbose,
-            callbacks=callbacks, extra_worker_config={PROGRESS_KEY: progress, **extras},
+            callbacks=callbacks,
+            extra_worker_config={PROGRESS_KEY: progress, **extras, **_resize_signal(workers)},
             datasets=datasets,
         ),
         workers, fault_tolerance.placement_timeout_s, console,

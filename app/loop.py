@@ -142,13 +142,16 @@ class TimedSchedule:
     def due(self, step: int) -> bool:
         return step >= self.next_step
 
-    def reschedule(self, step: int) -> None:
-        """After the due ``step`` (a collective: every rank calls it at that step)."""
+    def reschedule(self, step: int, flags: tuple[float, ...] = ()) -> list[float]:
+        """After the due ``step`` (a collective: every rank calls it at that step). ``flags``
+        ride along: returns their maximum over the ranks (what one rank saw, all now know)."""
         now = time.perf_counter()
-        (elapsed,) = _all_reduce_sum([now - self._last_time], self.device, op=dist.ReduceOp.MAX)
+        elapsed, *shared = _all_reduce_sum([now - self._last_time, *flags], self.device,
+                                           op=dist.ReduceOp.MAX)
         steps_per_second = (step - self._last_step) / max(elapsed, 1e-6)
         self.next_step = step + max(1, round(self.period_s * steps_per_second))
         self._last_step, self._last_time = step, now
+        return shared
 
 
 class Trainer:

@@ -23,6 +23,7 @@ from app.progress import send
 from app.batching import InMemoryData, TrainData
 from app.config import StorageFailure, TrainConfig, UserError
 from app.loop import TimedSchedule, Trainer, parameter_checksum
+from app.resize import RESIZE_SIGNAL_KEY
 from app.task import Task, build_datasets, call, load_task
 
 PROGRESS_KEY = "progress_queue"
@@ -203,22 +204,31 @@ def _train(config: TrainConfig, worker_config: dict[str, Any], progress,
         )
 
     interval = config.checkpoint.every_steps
-    preemption_checks = TimedSchedule(config.checkpoint.preemption_check_s, device,
-                                      start_step=trainer.state.step)
+    checks = TimedSchedule(config.checkpoint.preemption_check_s, device,
+                           start_step=trainer.state.step)
+    resize_signal = worker_config.get(RESIZE_SIGNAL_KEY)
     preemption_handled = False
 
     def after_step() -> None:
         nonlocal preemption_handled
         step = trainer.state.step
-        if not preemption_handled and preemption_checks.due(step):
-            preemption_checks.reschedule(step)
-            # A collective (every rank asks at the same step). When a node of this run is being
-            # drained, checkpoint now: nothing since is lost when the node goes.
-            notice = ray.train.get_preemption_info()
-            if notice is not None:
-                preemption_handled = True
-                reporter.report_partial(reason="preemption")
+        if checks.due(step):
+            # Rank 0 asks whether the controller wants to grow the group; the check's
+            # all-reduce tells every rank.
+            asked = rank == 0 and resize_signal is not None and \
+                ray.get(resize_signal.is_requested.remote())
+            (resize,) = checks.reschedule(step, (float(asked),))
+            if resize:
+                _checkpoint_for_resize(reporter, resize_signal, rank, step)
                 return
+            if not preemption_handled:
+                # A collective (every rank asks at the same step). When a node of this run is
+                # being drained, checkpoint now: nothing since is lost when the node goes.
+                notice = ray.train.get_preemption_info()
+                if notice is not None:
+                    preemption_handled = True
+                    reporter.report_partial(reason="preemption")
+                    return
         if interval and step % interval == 0:
             reporter.report_partial(reason="interval")
 
@@ -226,6 +236,22 @@ def _train(config: TrainConfig, worker_config: dict[str, Any], progress,
         result = trainer.run_epoch(after_step=after_step)
         evaluation = trainer.evaluate()
         reporter.report_epoch(result, evaluation, model)
+
+
+RESIZE_WAIT_S = 40.0
+"""How long workers that checkpointed for a resize wait to be stopped by it (the controller
+holds a resize at most ``resize.CHECKPOINT_WAIT_S``); then they carry on."""
+
+
+def _checkpoint_for_resize(reporter: _Reporter, signal, rank: int, step: int) -> None:
+    """Checkpoint at this step for the resize the controller holds, tell it, and wait to be
+    stopped, so the larger group starts exactly here: no step is trained twice."""
+    reporter.report_partial(reason="resize")
+    if rank == 0:
+        ray.get(signal.saved.remote(step))
+    deadline = time.monotonic() + RESIZE_WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 PARTIAL_SCORE = -1e300

@@ -141,8 +141,17 @@ def test_group_grows_when_a_node_joins(cluster, tmp_path):
     grown = run.wait_for(lambda e: e["event"] == "start" and e["world_size"] == 2)
     summary = run.result()
 
-    assert grown["resumed_at_epoch"] >= 1, "the larger group starts from the last checkpoint"
-    assert grown["time"] - joined < 20, "scale-up took longer than 20 s"
+    # The workers checkpointed at the step where the join was seen, and the larger group
+    # started exactly there: no step was trained twice.
+    saved = next(e for e in run.console.events
+                 if e["event"] == "partial" and e["reason"] == "resize")
+    assert saved["received"] > joined and saved["world_size"] == 1
+    assert (grown["resumed_at_epoch"], grown["resumed_at_epoch_step"]) == \
+        (saved["epoch"], saved["epoch_step"])
+    assert "room for more workers: checkpointed at step" in run.console.stream.getvalue()
+    # About 16 s here: the resize check (2 s), the next periodic check (2 s), the checkpoint,
+    # and Ray Train's restart of the group (bench/recovery.py measures it).
+    assert grown["time"] - joined < 25, "scale-up took longer than 25 s"
     _assert_each_epoch_once(summary.history, 14)
     sizes = [row["world_size"] for row in summary.history]
     assert sizes[0] == 1 and sizes[-1] == 2 and sizes == sorted(sizes)
