@@ -228,7 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
         "'app.train --parquet' (Ray Data) and for 'app.predict'.",
         formatter_class=HelpFormatter,
     )
-    flags.add_task_arguments(parser)
+    flags.add_task_arguments(
+        parser, dataset_help="one of the task's data sets (mnist-convnet: mnist, fashion-mnist, "
+        "digits) [default: the task's own]",
+    )
     parser.add_argument("--output", required=True,
                         help="folder or s3://bucket/prefix to write the Parquet files to")
     parser.add_argument("--train-files", type=int, default=8,
