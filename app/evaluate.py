@@ -75,11 +75,10 @@ def find_checkpoint(uri: str, task_reference: str | None) -> str:
         if info.type != pyarrow.fs.FileType.Directory:
             raise UserError(f"{uri} is not a checkpoint: give a checkpoint folder "
                             "(checkpoint_epoch_NNNN) or a run folder")
-        found = filesystem.get_file_info(pyarrow.fs.FileSelector(path))
-        epochs = {checkpoint.age_order(item.base_name)[0]: item.base_name for item in found
-                  if item.type == pyarrow.fs.FileType.Directory
-                  and checkpoint.age_order(item.base_name) is not None
-                  and checkpoint.age_order(item.base_name)[1] == float("inf")}
+        # Epoch ends only: a mid-epoch checkpoint has no validation metrics to rank it by.
+        epochs = {checkpoint.age_order(name)[0]: name
+                  for name in storage.checkpoint_folders(filesystem, path)
+                  if checkpoint.age_order(name)[1] == float("inf")}
         if not epochs:
             raise UserError(f"no checkpoint at {uri}: it holds no checkpoint_epoch_NNNN folder "
                             "(nor state.pt)")

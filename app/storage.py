@@ -85,18 +85,25 @@ def run_exists(run: RunConfig) -> bool:
     return filesystem.get_file_info(snapshot).type == pyarrow.fs.FileType.File
 
 
+def checkpoint_folders(filesystem: pyarrow.fs.FileSystem, run_folder: str) -> list[str]:
+    """The names of a run folder's checkpoint folders, newest first (``checkpoint.age_order``:
+    a mid-epoch checkpoint comes before the end of its epoch)."""
+    from app.checkpoint import age_order
+
+    found = filesystem.get_file_info(pyarrow.fs.FileSelector(run_folder, allow_not_found=True))
+    return sorted((info.base_name for info in found
+                   if info.type == pyarrow.fs.FileType.Directory
+                   and age_order(info.base_name) is not None), key=age_order, reverse=True)
+
+
 def latest_settings(run: RunConfig) -> dict:
     """The settings recorded in the run's newest checkpoint ({} when there is none, or it
     predates them); what a rerun of the run is checked against before any worker starts."""
-    from app.checkpoint import SETTINGS_FILE, age_order
+    from app.checkpoint import SETTINGS_FILE
 
     filesystem, path = pyarrow.fs.FileSystem.from_uri(run.storage_path)
     folder = join(path, run.name)
-    found = filesystem.get_file_info(pyarrow.fs.FileSelector(folder, allow_not_found=True))
-    ordered = sorted((info.base_name for info in found
-                      if info.type == pyarrow.fs.FileType.Directory
-                      and age_order(info.base_name) is not None), key=age_order)
-    for name in reversed(ordered):
+    for name in checkpoint_folders(filesystem, folder):
         try:
             with filesystem.open_input_stream(join(folder, name, SETTINGS_FILE)) as stream:
                 return json.loads(stream.read())

@@ -12,7 +12,6 @@ import threading
 import time
 from typing import Any
 
-import pyarrow.fs
 import ray
 import ray.train
 import ray.train.torch
@@ -24,6 +23,7 @@ from app.batching import InMemoryData, TrainData
 from app.config import StorageFailure, TrainConfig, UserError
 from app.loop import TimedSchedule, Trainer, parameter_checksum
 from app.resize import RESIZE_SIGNAL_KEY
+from app.storage import checkpoint_folders
 from app.task import Task, build_datasets, call, load_task
 
 PROGRESS_KEY = "progress_queue"
@@ -71,17 +71,12 @@ def _load(candidate: ray.train.Checkpoint) -> checkpoint.TrainingState:
 def _older_checkpoints(latest: ray.train.Checkpoint) -> list[ray.train.Checkpoint]:
     """The run's other checkpoint folders, newest first (Ray keeps the best K and the latest)."""
     parent, _, latest_name = latest.path.rstrip("/").rpartition("/")
-    found = latest.filesystem.get_file_info(pyarrow.fs.FileSelector(parent))
-    names = [info.base_name for info in found if info.type == pyarrow.fs.FileType.Directory]
     latest_order = checkpoint.age_order(latest_name)
-    older = sorted(
-        (name for name in names
-         if checkpoint.age_order(name) is not None and latest_order is not None
-         and checkpoint.age_order(name) < latest_order),
-        key=checkpoint.age_order, reverse=True,
-    )
+    if latest_order is None:
+        return []
     return [ray.train.Checkpoint(f"{parent}/{name}", filesystem=latest.filesystem)
-            for name in older]
+            for name in checkpoint_folders(latest.filesystem, parent)
+            if checkpoint.age_order(name) < latest_order]
 
 
 def _restore(progress, rank: int, settings: dict[str, Any]) -> checkpoint.TrainingState | None:
