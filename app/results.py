@@ -54,11 +54,19 @@ def metrics_csv(history: list[dict[str, Any]]) -> bytes:
     return buffer.getvalue().encode()
 
 
-def curves_png(history: list[dict[str, Any]], title: str) -> bytes:
+def load_plotting():
+    """matplotlib's pyplot on the Agg backend (importing it takes about half a second: the
+    launcher does it in the background while the run trains)."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot
+
+    return pyplot
+
+
+def curves_png(history: list[dict[str, Any]], title: str) -> bytes:
+    pyplot = load_plotting()
 
     epochs = [row["epoch"] for row in history]
     metrics = metric_columns(history)
