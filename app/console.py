@@ -74,7 +74,8 @@ class Console:
                 f"{event['num_train']:,} train / "
                 f"{event['num_val']:,} validation samples, {event['epochs']} epochs, "
                 f"{event['world_size']} {device} worker(s), "
-                f"{event['batch_per_worker']} samples per worker per step, {event['precision']}."
+                f"{event['batch_per_worker']} samples per worker per step, "
+                f"{_speedups(event)}."
             )
         if not self._header_shown:
             self._metrics = list(event.get("metrics", []))
@@ -122,3 +123,9 @@ class Console:
                 f"A node is being drained: checkpointed at step {event['epoch_step']} of epoch "
                 f"{event['epoch'] + 1}."
             )
+
+
+def _speedups(event: dict[str, Any]) -> str:
+    """'bf16, channels-last, compiled': how the workers compute."""
+    return ", ".join([event["precision"], *(["channels-last"] if event.get("channels_last") else []),
+                      *(["compiled"] if event.get("compiled") else [])])

@@ -13,6 +13,7 @@ from app import flags
 from app.cli import HelpFormatter, Parser, run_main
 from app.storage import storage_uri
 from app.config import (
+    COMPILE_MODES,
     PRECISIONS,
     CheckpointConfig,
     FaultToleranceConfig,
@@ -96,6 +97,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: bf16 autocast where the device computes bf16 natively (AVX512-BF16/AMX "
         "CPUs, Ampere+ GPUs), else fp32; fp32 or bf16 force one",
     )
+    training.add_argument(
+        "--channels-last", action=argparse.BooleanOptionalAction, default=defaults.channels_last,
+        help="keep a model with 2-D convolutions and its image batches channels-last (NHWC), "
+        "the layout of oneDNN's and cuDNN's fast convolutions",
+    )
+    training.add_argument(
+        "--compile", choices=COMPILE_MODES, default=defaults.compile,
+        help="torch.compile the model; auto: on GPUs only (on CPU the built-in tasks measured "
+        "slower compiled, after seconds of compiling)",
+    )
     data = parser.add_argument_group("Parquet data (app.prepare)")
     data.add_argument(
         "--parquet", default=None, metavar="PATH|s3://...",
@@ -158,6 +169,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     loop = LoopConfig(
         epochs=args.epochs, global_batch_size=args.global_batch_size, seed=args.seed,
         precision=args.precision, max_batch_per_worker=args.max_batch_per_worker,
+        channels_last=args.channels_last, compile=args.compile,
     )
     if loop.global_batch_size < workers.max_workers:
         raise UserError(

@@ -21,7 +21,7 @@ from app import batching, checkpoint
 from app.progress import send
 from app.batching import InMemoryData, TrainData
 from app.config import StorageFailure, TrainConfig, UserError
-from app.loop import TimedSchedule, Trainer, parameter_checksum
+from app.loop import TimedSchedule, Trainer, parameter_checksum, prepare_for_speed, resolve_compile
 from app.resize import RESIZE_SIGNAL_KEY
 from app.storage import checkpoint_folders
 from app.task import Task, build_datasets, call, load_task
@@ -162,8 +162,8 @@ def _train(config: TrainConfig, worker_config: dict[str, Any], progress,
         parameters=checkpoint.parameter_shapes(model),
     )
     state = _restore(progress, rank, settings)
-    model = ray.train.torch.prepare_model(model)
     device = ray.train.torch.get_device()
+    model = ray.train.torch.prepare_model(prepare_for_speed(model, config.loop, device))
     trainer = Trainer(config, task, model, train_data, device, rank, world_size, state)
     trainer.state.settings = settings
     model_ready = time.time()
@@ -177,6 +177,8 @@ def _train(config: TrainConfig, worker_config: dict[str, Any], progress,
                 "world_size": world_size,
                 "device": device.type,
                 "precision": trainer.precision,
+                "channels_last": trainer.layout is torch.channels_last,
+                "compiled": resolve_compile(config.loop.compile, device),
                 "task": task.name,
                 "metrics": list(task.metric_columns),
                 "score": task.score,
@@ -208,6 +210,7 @@ def _train(config: TrainConfig, worker_config: dict[str, Any], progress,
         nonlocal preemption_handled
         step = trainer.state.step
         if checks.due(step):
+            trainer.check_diverged()  # the same verdict on every rank, at the same step
             # Rank 0 asks whether the controller wants to grow the group; the check's
             # all-reduce tells every rank.
             asked = rank == 0 and resize_signal is not None and \
