@@ -35,6 +35,8 @@ def rows(dataset: Dataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.T
     TensorDataset, else the items collated as a DataLoader would."""
     if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:
         inputs, targets = dataset.tensors
+        if inputs.is_cuda:  # resident on a GPU: an asynchronous copy of the indices, no sync
+            indices = indices.pin_memory().to(inputs.device, non_blocking=True)
         return inputs[indices], targets[indices]
     inputs, targets = default_collate([dataset[int(index)] for index in indices])
     return inputs, targets
@@ -153,11 +155,25 @@ class GlobalBatchSampler(DistributedSampler):
             yield Batch(indices=order[offset : offset + length], global_size=size)
 
 
+def resident(dataset: Dataset, device: torch.device | None) -> Dataset:
+    """A TensorDataset with its tensors moved to an accelerator ``device`` once, so a batch is
+    an index lookup there with no copy per step (MNIST's 60,000 images take 188 MB, CIFAR-10's
+    50,000 take 614 MB). Other sets, and any set for the CPU, stay as they are."""
+    if device is None or device.type == "cpu" or not isinstance(dataset, TensorDataset):
+        return dataset
+    return TensorDataset(*(tensor.to(device) for tensor in dataset.tensors))
+
+
 class InMemoryData:
-    """Both splits in this worker's memory; batches are index lookups."""
+    """Both splits in this worker's memory (an accelerator's, for tensor data sets); batches are
+    index lookups."""
 
     def __init__(self, train: Dataset, val: Dataset, global_batch_size: int, world_size: int,
-                 rank: int, seed: int):
+                 rank: int, seed: int, device: torch.device | None = None):
+        train, val = resident(train, device), resident(val, device)
+        # Batches collated on the host for an accelerator: pinned, so the copy is asynchronous.
+        self._pin = device is not None and device.type == "cuda" and \
+            not isinstance(train, TensorDataset)
         self.train = train
         self.val = val
         self.num_train = len(train)
@@ -173,7 +189,10 @@ class InMemoryData:
         self.sampler.set_epoch(epoch)
         self.sampler.set_start_step(start_step)
         for batch in self.sampler:
-            yield TrainBatch(*rows(self.train, batch.indices), batch.global_size)
+            inputs, targets = rows(self.train, batch.indices)
+            if self._pin:
+                inputs, targets = inputs.pin_memory(), targets.pin_memory()
+            yield TrainBatch(inputs, targets, batch.global_size)
 
     def val_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         start, end = val_range(self.num_val, self.rank, self.world_size)

@@ -131,6 +131,7 @@ def _train_data(config: TrainConfig, task: Task, worker_config: dict[str, Any], 
     train, val = build_datasets(task, config.data.dataset, config.data.data_dir)
     return config.data.dataset or task.default_dataset, InMemoryData(
         train, val, config.loop.global_batch_size, world_size, rank, config.loop.seed,
+        device=ray.train.torch.get_device(),
     )
 
 
@@ -190,6 +191,7 @@ def _train(config: TrainConfig, worker_config: dict[str, Any], progress,
                 "batch_per_worker": config.loop.global_batch_size // world_size,
                 "resumed_at_epoch": trainer.epochs_done if state is not None else None,
                 "resumed_at_epoch_step": trainer.state.epoch_step if state is not None else 0,
+                "step": trainer.state.step,  # the global step the group starts from
                 "epochs": config.loop.epochs,
                 # When rank 0 entered the loop, had its data, had the model (with DDP's
                 # process group): where a start's seconds go (``--verbose``, bench/startup.py).

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from app.batching import GlobalBatchSampler
+from torch.utils.data import TensorDataset
 
 
 def _epoch(num_samples, global_batch_size, world_size, epoch=0, seed=0):
@@ -57,3 +58,22 @@ def test_global_batch_must_cover_every_rank():
     with pytest.raises(ValueError, match="smaller than the world size"):
         GlobalBatchSampler(100, 2, 4, 0)
     assert isinstance(GlobalBatchSampler(10, 4, 2, 0), torch.utils.data.DistributedSampler)
+
+
+def test_tensor_data_sets_are_made_resident_on_an_accelerator_once():
+    from app.batching import InMemoryData, resident
+
+    images, labels = torch.randn(12, 1, 4, 4), torch.arange(12)
+    dataset = TensorDataset(images, labels)
+    assert resident(dataset, None) is dataset
+    assert resident(dataset, torch.device("cpu")) is dataset
+    # The meta device stands in for a GPU here: the tensors move, batches are looked up there.
+    data = InMemoryData(dataset, dataset, 4, world_size=2, rank=1, seed=0,
+                        device=torch.device("meta"))
+    assert all(tensor.is_meta for tensor in data.train.tensors + data.val.tensors)
+    batch = next(data.train_batches(epoch=0, start_step=0))
+    assert batch.inputs.is_meta and batch.inputs.shape == (2, 1, 4, 4)
+    assert batch.targets.is_meta and batch.global_size == 4
+    # A set that is not tensors stays on the host.
+    items = [(images[i], labels[i]) for i in range(12)]
+    assert resident(items, torch.device("meta")) is items
