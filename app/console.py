@@ -127,5 +127,7 @@ class Console:
 
 def _speedups(event: dict[str, Any]) -> str:
     """'bf16, channels-last, compiled': how the workers compute."""
-    return ", ".join([event["precision"], *(["channels-last"] if event.get("channels_last") else []),
-                      *(["compiled"] if event.get("compiled") else [])])
+    options = [event["precision"]]
+    options += ["channels-last"] if event.get("channels_last") else []
+    options += ["compiled"] if event.get("compiled") else []
+    return ", ".join(options)
