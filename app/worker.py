@@ -118,7 +118,7 @@ def _compatible(state: checkpoint.TrainingState, settings: dict[str, Any],
 
 
 def _train_data(config: TrainConfig, task: Task, worker_config: dict[str, Any], rank: int,
-                world_size: int) -> tuple[str, TrainData]:
+                world_size: int, device: torch.device) -> tuple[str, TrainData]:
     if config.data.parquet:
         from app.parquet import ShardData
 
@@ -131,7 +131,7 @@ def _train_data(config: TrainConfig, task: Task, worker_config: dict[str, Any], 
     train, val = build_datasets(task, config.data.dataset, config.data.data_dir)
     return config.data.dataset or task.default_dataset, InMemoryData(
         train, val, config.loop.global_batch_size, world_size, rank, config.loop.seed,
-        device=ray.train.torch.get_device(),
+        device=device,
     )
 
 
@@ -150,8 +150,9 @@ def _train(config: TrainConfig, worker_config: dict[str, Any], progress,
     # More threads than owned CPUs makes workers on one machine fight over cores.
     torch.set_num_threads(_owned_cpus())
 
+    device = ray.train.torch.get_device()
     task = load_task(config.task)
-    dataset_name, train_data = _train_data(config, task, worker_config, rank, world_size)
+    dataset_name, train_data = _train_data(config, task, worker_config, rank, world_size, device)
     batching.check_batch_fits(config.loop.global_batch_size, train_data.num_train, dataset_name)
     data_loaded = time.time()
     torch.manual_seed(config.loop.seed)  # identical initial weights on every rank
@@ -163,7 +164,6 @@ def _train(config: TrainConfig, worker_config: dict[str, Any], progress,
         parameters=checkpoint.parameter_shapes(model),
     )
     state = _restore(progress, rank, settings)
-    device = ray.train.torch.get_device()
     model = ray.train.torch.prepare_model(prepare_for_speed(model, config.loop, device))
     trainer = Trainer(config, task, model, train_data, device, rank, world_size, state)
     trainer.state.settings = settings
