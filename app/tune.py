@@ -324,7 +324,9 @@ def _records(result_grid, score: str, mode: str):
             global_batch_size=result.config["train"]["loop"]["global_batch_size"],
             epochs=rows,
             planned_epochs=result.config["train"]["loop"]["epochs"],
-            outcome=_outcome(result, status, len(rows), result.config["train"]["loop"]["epochs"]),
+            # The last epoch reached: a resumed trial reports only the epochs it trained since.
+            outcome=_outcome(result, status, max((row.get("epoch", 0) for row in rows), default=0),
+                             result.config["train"]["loop"]["epochs"]),
             score=score,
             mode=mode,
         ))
@@ -455,7 +457,11 @@ def _run(args, console: Console) -> int:
             results.write_file(f"{sweep_uri}/{SWEEP_FILE}", json.dumps(plan).encode())
             console.line(f"Sweep {name}: {plan['num_trials']} trials, up to {concurrency} at a "
                          f"time; results in {sweep_uri}")
-        result_grid = tuner.fit()
+        tuner.fit()
+        # The statuses as Tune saved them, not the returned grid's: on Ctrl-C Tune saves the
+        # experiment, then stops the running trials and marks them TERMINATED in memory, which
+        # would count an interrupted trial as finished.
+        result_grid = tune.Tuner.restore(sweep_uri, trainable=_trainable()).get_results()
         report(sweep_uri, result_grid, plan, console)
         finished = result_grid.num_terminated + result_grid.num_errors
         if finished < plan["num_trials"]:
