@@ -305,10 +305,14 @@ def _records(result_grid, score: str, mode: str):
 
     # Tune's trial objects carry the status; ResultGrid lists results in the same order.
     trials = getattr(getattr(result_grid, "_experiment_analysis", None), "trials", None)
-    statuses = [trial.status for trial in trials] if trials else [None] * len(result_grid)
+    trials = trials or [None] * len(result_grid)
     records = []
-    for result, status in zip(result_grid, statuses):
-        if result.config is None:
+    for result, trial in zip(result_grid, trials):
+        status = trial.status if trial is not None else None
+        # A trial that reported nothing (it failed before its first epoch) has its config only
+        # on Tune's trial object once the grid is read back from storage.
+        config = result.config or (trial.config if trial is not None else None)
+        if config is None:
             continue
         frame = result.metrics_dataframe
         rows = [] if frame is None or score not in frame else [
@@ -319,14 +323,14 @@ def _records(result_grid, score: str, mode: str):
         records.append(TrialRecord(
             trial_id=result.metrics.get("trial_id", Path(result.path).name) if result.metrics
             else Path(result.path).name,
-            lr=result.config["train"]["optim"]["lr"],
-            world_size=result.config["num_workers"],
-            global_batch_size=result.config["train"]["loop"]["global_batch_size"],
+            lr=config["train"]["optim"]["lr"],
+            world_size=config["num_workers"],
+            global_batch_size=config["train"]["loop"]["global_batch_size"],
             epochs=rows,
-            planned_epochs=result.config["train"]["loop"]["epochs"],
+            planned_epochs=config["train"]["loop"]["epochs"],
             # The last epoch reached: a resumed trial reports only the epochs it trained since.
             outcome=_outcome(result, status, max((row.get("epoch", 0) for row in rows), default=0),
-                             result.config["train"]["loop"]["epochs"]),
+                             config["train"]["loop"]["epochs"]),
             score=score,
             mode=mode,
         ))
