@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -54,7 +55,8 @@ def _storage_error(uri: str, error: BaseException) -> UserError:
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if "NO_SUCH_BUCKET" in text or "NoSuchBucket" in text:
         hint = "the bucket does not exist"
-    elif "ACCESS_DENIED" in text or "AccessDenied" in text or "403" in text:
+    elif "ACCESS_DENIED" in text or "AccessDenied" in text or re.search(r"\b403\b", text):
+        # The status as a word: the text may name an endpoint whose port holds "403".
         hint = "access denied: check the AWS credentials in the environment"
     elif "NETWORK_CONNECTION" in text or "connect" in text.lower():
         hint = "the storage endpoint is unreachable (check AWS_ENDPOINT_URL and the network)"

@@ -405,3 +405,14 @@ def test_open_manifest_reads_what_prepare_wrote(local_parquet):
         bad.mkdir(exist_ok=True)
         (bad / "manifest.json").write_text(json.dumps({"format": "other/1"}))
         parquet.open_manifest(str(bad))
+
+
+def test_storage_errors_are_named_by_their_cause_not_by_digits_in_the_endpoint():
+    from app.parquet import _storage_error
+
+    refused = OSError("When reading information for key 'mnist/manifest.json' in bucket 'data': "
+                      "AWS Error NETWORK_CONNECTION during HeadObject operation: curlCode: 7, "
+                      "Couldn't connect to server (http://127.0.0.1:44039)")
+    assert "unreachable" in str(_storage_error("s3://data/mnist", refused))
+    denied = OSError("AWS Error UNKNOWN (HTTP status 403) during HeadObject operation")
+    assert "access denied" in str(_storage_error("s3://data/mnist", denied))
