@@ -90,6 +90,10 @@ class LoopConfig:
     compile: str = "auto"
     """torch.compile the model: "auto" compiles on GPUs only (on CPU it measured slower for the
     built-in tasks, after 5-30 s of compiling); "on" or "off" force it."""
+    log_every_steps: int = 10
+    """Rank 0 sends a progress point (running training loss, learning rate, samples/s) every
+    this many steps, at most ``PROGRESS_MAX_HZ`` a second: the console's live line and the
+    TensorBoard and MLflow step curves (0: none)."""
 
     def __post_init__(self):
         if self.epochs < 1:
@@ -102,6 +106,8 @@ class LoopConfig:
             raise UserError(f"max batch per worker must be >= 0, got {self.max_batch_per_worker}")
         if self.seed < 0:
             raise UserError(f"seed must be >= 0, got {self.seed}")
+        if self.log_every_steps < 0:
+            raise UserError(f"log interval must be >= 0 steps, got {self.log_every_steps}")
         if self.compile not in COMPILE_MODES:
             raise UserError(
                 f"unknown compile mode {self.compile!r}: choose one of {', '.join(COMPILE_MODES)}"

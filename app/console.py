@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
+import threading
 import time
 from typing import Any, TextIO
 
@@ -20,11 +22,43 @@ def _column_title(name: str) -> str:
     return name.replace("val_accuracy", "val acc").replace("_", " ")
 
 
-class Console:
-    """Prints a run's progress events; keeps them, with their arrival time, in ``events``."""
+def _clock(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
-    def __init__(self, stream: TextIO | None = None):
+
+def progress_line(event: dict[str, Any]) -> str:
+    """The live line of a step event: where the epoch is, how fast, the loss, and the time
+    left in the epoch and in the run (from the current speed; validation not counted)."""
+    steps, step = event["steps_in_epoch"], min(event["epoch_step"], event["steps_in_epoch"])
+    rate = event.get("steps_per_second") or 0.0
+    left_epoch = steps - step
+    left_run = left_epoch + (event["epochs"] - event["epoch"]) * steps
+    eta = (f"ETA {_clock(left_epoch / rate)} epoch, {_clock(left_run / rate)} run" if rate > 0
+           else "ETA --")
+    width = 20
+    done = round(width * step / max(steps, 1))
+    return (f"epoch {event['epoch']}/{event['epochs']} [{'#' * done}{'.' * (width - done)}] "
+            f"step {step}/{steps}  {event['samples_per_second']:,.0f} samples/s  "
+            f"loss {event['loss']:.4f}  {eta}")
+
+
+class Console:
+    """Prints a run's progress events; keeps them, with their arrival time, in ``events``.
+
+    ``live``: show one line that updates in place inside an epoch (step events), for a person
+    at a terminal; by default when the stream is one. Logs get the epoch rows only.
+    """
+
+    def __init__(self, stream: TextIO | None = None, live: bool | None = None):
         self.stream = stream if stream is not None else sys.stdout
+        self.live = live if live is not None else _is_terminal(self.stream)
+        self.sinks: list[Any] = []
+        """Trackers (``app.tracking``, ``app.timeline``) that see every event after it is
+        printed; each has ``handle(event)``."""
+        self._line_open = False
+        self._lock = threading.Lock()
         self.events: list[dict[str, Any]] = []
         self._header_shown = False
         self._metrics: list[str] = []
@@ -33,7 +67,18 @@ class Console:
         start, where the seconds before the first step went (--verbose)."""
 
     def line(self, text: str = "") -> None:
-        print(text, file=self.stream, flush=True)
+        with self._lock:
+            if self._line_open:  # the live line gives way to the row
+                self.stream.write("\r\x1b[K")
+                self._line_open = False
+            print(text, file=self.stream, flush=True)
+
+    def _live(self, event: dict[str, Any]) -> None:
+        columns = shutil.get_terminal_size((100, 24)).columns
+        with self._lock:
+            self.stream.write("\r\x1b[K" + progress_line(event)[: max(columns - 1, 20)])
+            self.stream.flush()
+            self._line_open = True
 
     def _timings(self, event: dict[str, Any]) -> None:
         phases = event.get("phases")
@@ -98,7 +143,16 @@ class Console:
     def handle(self, event: dict[str, Any]) -> None:
         if event["event"] == "heartbeat":
             return  # for the driver's watchdog only
-        self.events.append({**event, "received": time.time()})
+        if event["event"] == "step":
+            if self.live:
+                self._live(event)
+        else:
+            self.events.append({**event, "received": time.time()})
+            self._print(event)
+        for sink in self.sinks:
+            sink.handle(event)
+
+    def _print(self, event: dict[str, Any]) -> None:
         if event["event"] == "start":
             self.start(event)
         elif event["event"] == "epoch":
@@ -123,6 +177,13 @@ class Console:
                 f"A node is being drained: checkpointed at step {event['epoch_step']} of epoch "
                 f"{event['epoch'] + 1}."
             )
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def _speedups(event: dict[str, Any]) -> str:

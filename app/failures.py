@@ -10,6 +10,8 @@ worker failure.
 
 from __future__ import annotations
 
+import time
+
 import ray.train
 from ray.exceptions import RayActorError
 from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy
@@ -67,6 +69,7 @@ class AppFailurePolicy(DefaultFailurePolicy):
                 "event": "failure", "during_start": True,
                 "fatal": decision == FailureDecision.RAISE,
                 "workers": {"?": describe_failure(training_failed_error.controller_failure)},
+                "time": time.time(),
             })
             return decision
         return super().make_decision(training_failed_error)
@@ -105,5 +108,6 @@ class FailureReporter(ray.train.UserCallback):
             "workers": {int(rank): describe_failure(error)
                         for rank, error in sorted(worker_exceptions.items())},
             "fatal": fatal,
+            "time": time.time(),
         }
         send(self.progress, event)

@@ -54,6 +54,23 @@ def add_cluster_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGr
     )
 
 
+def add_tracking_arguments(parser: argparse.ArgumentParser, what: str = "the run") -> None:
+    """--mlflow-uri and --mlflow-experiment."""
+    from app.tracking import DEFAULT_EXPERIMENT
+
+    group = parser.add_argument_group(
+        "tracking (TensorBoard event files are always written under the run's folder)")
+    group.add_argument(
+        "--mlflow-uri", default=None, metavar="URI",
+        help=f"log {what} to this MLflow tracking server (params, per-epoch metrics, the best "
+        "checkpoint, the curves and timeline) [default: $MLFLOW_TRACKING_URI; unset: no MLflow]",
+    )
+    group.add_argument(
+        "--mlflow-experiment", default=DEFAULT_EXPERIMENT, metavar="NAME",
+        help="MLflow experiment the runs go in",
+    )
+
+
 def add_checkpoint_arguments(parser: argparse.ArgumentParser, where: str = "") -> None:
     """--checkpoint and --task, for the commands that use a trained model."""
     parser.add_argument(

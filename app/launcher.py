@@ -3,6 +3,8 @@ policy, live progress on the driver, and the results written at the end."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import queue as queue_module
 import threading
@@ -19,12 +21,12 @@ from ray.train.torch import TorchTrainer
 from ray.util.queue import Queue
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from app import checkpoint, cluster, parquet, results
+from app import checkpoint, cluster, parquet, results, timeline, tracking
 from app.cluster import ClusterWatch
 from app.failures import AppFailurePolicy, FailureReporter, not_retryable_cause
 from app.placement import PlacementGroupReaper
 from app.resize import RESIZE_SIGNAL_KEY, CheckpointFirstScalingPolicy, ResizeSignal
-from app.storage import run_exists
+from app.storage import join, run_exists
 from app.config import (
     FaultToleranceConfig,
     RunConfig,
@@ -61,6 +63,12 @@ class RunSummary:
     latest_checkpoint: str
     metrics_uri: str
     curves_uri: str
+    timeline_uri: str = ""
+    """timeline.png: world size over wall time, every restart, resize and failure marked."""
+    analysis: timeline.Analysis | None = None
+    """Goodput and the seconds each start, restart and resize cost (``app.timeline``)."""
+    mlflow_link: str | None = None
+    """The run's page on the MLflow server, when the run was logged to one."""
 
 
 class AppTorchTrainer(TorchTrainer):
@@ -277,7 +285,7 @@ def _uri(filesystem: pyarrow.fs.FileSystem | None, path: str) -> str:
     return f"{filesystem.type_name}://{path}"
 
 
-def _summarise(result: ray.train.Result) -> RunSummary:
+def _summarise(result: ray.train.Result, tracked: RunTracking | None = None) -> RunSummary:
     latest = result.checkpoint
     run_uri = _uri(result.filesystem, result.path)
     if latest is None:
@@ -287,9 +295,13 @@ def _summarise(result: ray.train.Result) -> RunSummary:
     best_checkpoint, best_metrics = max(
         result.best_checkpoints, key=lambda pair: pair[1]["checkpoint_score"]
     )
+    title = run_uri.rstrip("/").rsplit("/", 1)[-1]
+    analysis, timeline_uri = None, ""
     try:
+        if tracked is not None:
+            analysis, timeline_uri = tracked.end_record("finished", history, best_metrics)
         metrics_uri, curves_uri = results.write(
-            run_uri, history, title=f"{run_uri.rstrip('/').rsplit('/', 1)[-1]}"
+            run_uri, timeline.with_goodput(tracked and tracked.record_data(), history), title
         )
     except OSError as error:
         raise RunFailed(
@@ -304,7 +316,93 @@ def _summarise(result: ray.train.Result) -> RunSummary:
         latest_checkpoint=_uri(latest.filesystem, latest.path),
         metrics_uri=metrics_uri,
         curves_uri=curves_uri,
+        timeline_uri=timeline_uri,
+        analysis=analysis,
     )
+
+
+class RunTracking:
+    """What a run leaves besides its checkpoints as it goes: its record (``app.timeline``),
+    TensorBoard event files, and an MLflow run when one is asked for. All fed by the console's
+    events on the driver."""
+
+    def __init__(self, run: RunConfig, console: Console, info: dict[str, Any],
+                 params: dict[str, Any], mlflow: tracking.MlflowSettings | None, started: float,
+                 warn: Callable[[str], None] | None = None):
+        self.run_uri = join(run.storage_path, run.name)
+        self.console = console
+        if warn is not None:
+            self.warn = warn  # type: ignore[method-assign]
+        self.record: timeline.RunRecord | None = None
+        trackers: list[Any] = []
+        try:
+            self.record = timeline.RunRecord(self.run_uri, run.name, info, started)
+            trackers.append(self.record)
+        except OSError as error:
+            self.warn(f"cannot write the run's record under {self.run_uri} ({error}); "
+                      "training goes on without it")
+        trackers.append(tracking.TensorBoardLog(self.run_uri))
+        if mlflow is not None:
+            trackers.append(tracking.MlflowLog(mlflow, self.run_uri, run.name, params,
+                                               self.warn))
+        self._all = list(trackers)
+        self.trackers = tracking.Trackers(trackers, self.warn)
+        console.sinks.append(self.trackers)
+        self._ended = False
+
+    def warn(self, message: str) -> None:
+        self.console.line(f"warning: {message}")
+
+    def mlflow_link(self) -> str | None:
+        return next((tracker.link for tracker in self._all
+                     if isinstance(tracker, tracking.MlflowLog)), None)
+
+    def record_data(self) -> dict[str, Any] | None:
+        return self.record.record if self.record is not None else None
+
+    def end_record(self, status: str, history: list[dict[str, Any]] | None = None,
+                   best: dict[str, Any] | None = None) -> tuple[timeline.Analysis | None, str]:
+        """Close the record (``status``); write timeline.png. Returns the analysis and the
+        timeline's location."""
+        if self.record is None or self._ended:
+            return None, ""
+        self._ended = True
+        score = self.record.record.get("score")
+        self.record.close(status, best={"epoch": best["epoch"], score: best.get(score)}
+                           if best is not None and score else None)
+        analysis = timeline.analyse(self.record.record, history)
+        self.record.record["goodput"] = round(analysis.goodput, 4)
+        self.record.record["world_sizes"] = sorted(set(analysis.world_sizes))
+        self.record.save()
+        uri = join(self.run_uri, timeline.TIMELINE_FILE)
+        results.write_file(uri, timeline.timeline_png(
+            self.record.record, analysis, self.run_uri.rstrip("/").rsplit("/", 1)[-1]))
+        return analysis, uri
+
+    def finish(self, status: str, summary: RunSummary | None = None) -> None:
+        """The end of the run: every tracker is closed (after the results are written)."""
+        if self.trackers in self.console.sinks:
+            self.console.sinks.remove(self.trackers)
+        if summary is None:
+            try:
+                self.end_record(status)
+            except Exception as error:  # noqa: BLE001 - the run's own error matters more
+                self.warn(f"cannot write the run's timeline ({error})")
+        self.trackers.finish(status, summary)
+
+    @contextlib.contextmanager
+    def ending(self):
+        """Closes the trackers with the status of the block: failed, interrupted, terminated."""
+        from app.cli import was_terminated
+
+        try:
+            yield
+        except KeyboardInterrupt:
+            self.finish("terminated" if was_terminated() else "interrupted")
+            raise
+        except BaseException:
+            self.finish("failed")
+            raise
 
 
 def launch(
@@ -317,10 +415,14 @@ def launch(
     verbose: bool = False,
     callbacks: Sequence[ray.train.UserCallback] = (),
     manifest: Manifest | None = None,
+    mlflow: tracking.MlflowSettings | None = None,
+    started: float | None = None,
 ) -> RunSummary:
     """Train on the connected Ray cluster; returns where the results are.
 
     ``manifest``: the checked Parquet data set when ``train_config.data.parquet`` is set.
+    ``mlflow``: log the run to this MLflow server. ``started``: when the command started, for
+    the run's timeline (default: now).
     Raises UserError for mistakes in the input (also when a worker hits one) and RunFailed when
     training fails after its retries.
     """
@@ -339,14 +441,47 @@ def launch(
     if verbose:
         console.launched = time.time()
     # Ready for the curves at the end, imported while the driver only waits.
-    threading.Thread(target=results.load_plotting, name="import-matplotlib", daemon=True).start()
-    result = fit_watched(
-        lambda progress: make_trainer(
-            train_config, workers, run, fault_tolerance=fault_tolerance, verbose=verbose,
-            callbacks=callbacks,
-            extra_worker_config={PROGRESS_KEY: progress, **extras, **_resize_signal(workers)},
-            datasets=datasets,
-        ),
-        workers, fault_tolerance.placement_timeout_s, console,
+    threading.Thread(target=_import_plotting, name="import-plotting", daemon=True).start()
+    tracked = RunTracking(
+        run, console, info=run_info(train_config), params=run_params(train_config, workers),
+        mlflow=mlflow, started=started or time.time(),
     )
-    return _summarise(result)
+    with tracked.ending():
+        result = fit_watched(
+            lambda progress: make_trainer(
+                train_config, workers, run, fault_tolerance=fault_tolerance, verbose=verbose,
+                callbacks=callbacks,
+                extra_worker_config={PROGRESS_KEY: progress, **extras, **_resize_signal(workers)},
+                datasets=datasets,
+            ),
+            workers, fault_tolerance.placement_timeout_s, console,
+        )
+        summary = _summarise(result, tracked)
+    tracked.finish("finished", summary)
+    return dataclasses.replace(summary, mlflow_link=tracked.mlflow_link())
+
+
+def _import_plotting() -> None:
+    """matplotlib and TensorBoard's writer, imported while the driver only waits."""
+    import importlib
+
+    results.load_plotting()
+    importlib.import_module("torch.utils.tensorboard")
+
+
+def run_info(train_config: TrainConfig) -> dict[str, Any]:
+    """What ``app.runs`` lists about a run, known before it starts."""
+    from app.task import load_task
+
+    task = load_task(train_config.task)
+    return {"task": task.name, "dataset": train_config.data.dataset or task.default_dataset,
+            "epochs": train_config.loop.epochs, "score": task.score,
+            "score_mode": task.score_mode}
+
+
+def run_params(train_config: TrainConfig, workers: WorkersConfig) -> dict[str, Any]:
+    """A run's settings as MLflow parameters."""
+    num_workers = f"{workers.min_workers}-{workers.max_workers}" if workers.is_elastic \
+        else workers.min_workers
+    return {**tracking.flat_params(train_config.to_dict()), "num_workers": num_workers,
+            "use_gpu": workers.use_gpu, "cpus_per_worker": workers.cpus_per_worker}

@@ -213,6 +213,8 @@ class Trainer:
         self.precision = resolve_precision(config.loop.precision, device)
         self.layout = memory_format(model, config.loop.channels_last)
         self._first_bad_step = torch.zeros((), dtype=torch.int64, device=device)
+        self._loss_total = torch.zeros((), dtype=torch.float64, device=device)
+        self._local_samples = 0
         self.optimizer = task.build_optimizer(model.parameters(), config.optim.lr)
         self.scheduler = (
             task.build_scheduler(self.optimizer, config.loop.epochs) if task.build_scheduler
@@ -324,11 +326,13 @@ class Trainer:
         # A resumed epoch carries on from the checkpoint's sums; rank 0 holds the global part.
         resumed_loss = self.state.epoch_loss_sum if self.rank == 0 else 0.0
         self._loss_total = torch.tensor(resumed_loss, dtype=torch.float64, device=self.device)
+        self._local_samples = 0
         self._seconds = self.state.epoch_seconds
         started = time.perf_counter()
         for batch in self.data.train_batches(epoch, self.state.epoch_step):
             # Accumulated on the device: .item() per step would force a GPU sync.
             self._loss_total += self._run_batch(batch)
+            self._local_samples += len(batch.targets)
             self.state.step += 1
             self.state.epoch_step += 1
             self.state.epoch_samples += batch.global_size
@@ -353,6 +357,15 @@ class Trainer:
         self.state.epoch_samples = 0
         self.state.epoch_seconds = 0.0
         return result
+
+    def running_loss(self) -> tuple[float, int]:
+        """This rank's loss sum in the current epoch and the samples it covers, for progress
+        points between them (a host sync: call it a few times a second at most)."""
+        return float(self._loss_total), self._local_samples
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
 
     def evaluate(self) -> Evaluation:
         """The loss and the task's metrics over the validation split, each rank scoring its

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import io
+import os
 from typing import Any
 
 import pyarrow.fs
@@ -14,7 +15,8 @@ import pyarrow.fs
 METRICS_FILE = "metrics.csv"
 CURVES_FILE = "curves.png"
 _LEADING = ("epoch", "step", "world_size", "train_loss", "val_loss")
-_TRAILING = ("samples_per_second", "epoch_seconds", "lr", "param_checksum", "time")
+_TRAILING = ("samples_per_second", "epoch_seconds", "lr", "param_checksum", "time",
+             "wall_seconds", "goodput")
 
 
 def metric_columns(history: list[dict[str, Any]]) -> list[str]:
@@ -35,6 +37,8 @@ def format_metric(name: str, value: float) -> str:
 
 def write_file(uri: str, payload: bytes) -> None:
     filesystem, path = pyarrow.fs.FileSystem.from_uri(uri)
+    if isinstance(filesystem, pyarrow.fs.LocalFileSystem):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with filesystem.open_output_stream(path) as stream:
         stream.write(payload)
 

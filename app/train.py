@@ -10,7 +10,7 @@ import sys
 import time
 
 from app import flags
-from app.cli import HelpFormatter, Parser, run_main
+from app.cli import PROCESS_STARTED, HelpFormatter, Parser, run_main
 from app.storage import storage_uri
 from app.config import (
     COMPILE_MODES,
@@ -139,12 +139,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep this many best checkpoints by the task's score, plus the latest",
     )
     output.add_argument(
+        "--log-every-steps", type=int, default=defaults.log_every_steps, metavar="N",
+        help="a progress point every N steps (at most 4 a second): the live line on a terminal "
+        "and the TensorBoard step curves (0: none)",
+    )
+    output.add_argument(
         "--checkpoint-every-steps", type=int, default=CheckpointConfig().every_steps,
         metavar="N",
         help="also checkpoint every N steps inside an epoch, so a failure loses at most N steps "
         "(0: at epoch ends only)",
     )
     flags.add_cluster_arguments(output)
+    flags.add_tracking_arguments(parser)
     return parser
 
 
@@ -170,6 +176,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         epochs=args.epochs, global_batch_size=args.global_batch_size, seed=args.seed,
         precision=args.precision, max_batch_per_worker=args.max_batch_per_worker,
         channels_last=args.channels_last, compile=args.compile,
+        log_every_steps=args.log_every_steps,
     )
     if loop.global_batch_size < workers.max_workers:
         raise UserError(
@@ -189,6 +196,9 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     )
     storage_path = storage_uri(args.storage_path)
     embedded = not args.address
+    from app import tracking
+
+    args.mlflow = tracking.mlflow_settings(args.mlflow_uri, args.mlflow_experiment)
 
     from app import cluster, storage
 
@@ -242,7 +252,7 @@ def _train(args, console, config, task, workers, run, fault_tolerance, manifest,
         )
         summary = launcher.launch(
             config, workers, run, console=console, fault_tolerance=fault_tolerance,
-            verbose=args.verbose, manifest=manifest,
+            verbose=args.verbose, manifest=manifest, mlflow=args.mlflow, started=PROCESS_STARTED,
         )
     except launcher.RunFailed as error:
         if args.verbose:
@@ -264,6 +274,12 @@ def _train(args, console, config, task, workers, run, fault_tolerance, manifest,
     console.line(f"Checkpoints: {summary.run_uri}  (best: {summary.best_checkpoint})")
     console.line(f"Metrics:     {summary.metrics_uri}")
     console.line(f"Curves:      {summary.curves_uri}")
+    if summary.analysis is not None:
+        console.line(f"Timeline:    {summary.timeline_uri}")
+        console.line(f"Goodput:     {summary.analysis.summary()}")
+    console.line(f"TensorBoard: tensorboard --logdir {run.storage_path}")
+    if summary.mlflow_link:
+        console.line(f"MLflow:      {summary.mlflow_link}")
     return 0
 
 

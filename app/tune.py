@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import re
 import sys
 import time
@@ -66,7 +67,7 @@ def run_trial(config: dict[str, Any]) -> None:
     """One trial: a whole distributed training run with the trial's world size and config."""
     import ray.tune
 
-    from app.launcher import fit_watched, make_trainer
+    from app import launcher, tracking
     from app.worker import PROGRESS_KEY
 
     trial_id = ray.tune.get_context().get_trial_id()
@@ -77,22 +78,39 @@ def run_trial(config: dict[str, Any]) -> None:
     fault_tolerance = FaultToleranceConfig(
         max_failures=config["max_failures"], placement_timeout_s=config["placement_timeout_s"]
     )
-    # The same watchdog as a single run: a trial whose workers cannot be placed fails with the
-    # reason (Tune records it) instead of waiting forever.
-    fit_watched(
-        lambda progress: make_trainer(
-            TrainConfig.from_dict(config["train"]),
-            workers,
-            # Named from the trial id: a resumed sweep resumes each trial's own training run.
-            RunConfig(name=f"trial-{trial_id}", storage_path=config["train_storage"]),
-            fault_tolerance=fault_tolerance,
-            verbose=False,
-            callbacks=[_epoch_reports_to_tune()],
-            extra_worker_config={PROGRESS_KEY: progress},
-            guard_placement_groups=True,
-        ),
-        workers, fault_tolerance.placement_timeout_s, Console(io.StringIO()),
+    train_config = TrainConfig.from_dict(config["train"])
+    # Named from the trial id: a resumed sweep resumes each trial's own training run.
+    run = RunConfig(name=trial_run_name(trial_id), storage_path=config["train_storage"])
+    mlflow = tracking.MlflowSettings(**config["mlflow"]) if config.get("mlflow") else None
+    console = Console(io.StringIO(), live=False)
+    tracked = launcher.RunTracking(
+        run, console, info=launcher.run_info(train_config),
+        params={**launcher.run_params(train_config, workers), "trial_id": trial_id},
+        mlflow=mlflow, started=time.time(),
+        # In the trial's log, which Ray shows on the sweep's console too.
+        warn=lambda message: print(f"warning: {message}", file=sys.stderr, flush=True),
     )
+    with tracked.ending():
+        # The same watchdog as a single run: a trial whose workers cannot be placed fails with
+        # the reason (Tune records it) instead of waiting forever.
+        result = launcher.fit_watched(
+            lambda progress: launcher.make_trainer(
+                train_config, workers, run,
+                fault_tolerance=fault_tolerance,
+                verbose=False,
+                callbacks=[_epoch_reports_to_tune()],
+                extra_worker_config={PROGRESS_KEY: progress},
+                guard_placement_groups=True,
+            ),
+            workers, fault_tolerance.placement_timeout_s, console,
+        )
+        # The trial's metrics.csv, curves and timeline, beside its checkpoints.
+        summary = launcher._summarise(result, tracked)
+    tracked.finish("finished", summary)
+
+
+def trial_run_name(trial_id: str) -> str:
+    return f"trial-{trial_id}"
 
 
 # --- the sweep --------------------------------------------------------------------------------
@@ -173,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
         "saying why, and the sweep goes on",
     )
     flags.add_cluster_arguments(training)
+    flags.add_tracking_arguments(parser, "the sweep as a parent run and every trial as its child")
     return parser
 
 
@@ -337,8 +356,9 @@ def _records(result_grid, score: str, mode: str):
     return records
 
 
-def report(sweep_uri: str, result_grid, plan: dict[str, Any], console: Console) -> None:
-    """Print and write the ranked trial table and the scaling report."""
+def report(sweep_uri: str, result_grid, plan: dict[str, Any], console: Console):
+    """Print and write the ranked trial table and the scaling report; returns the best trial's
+    record."""
     from app import results, sweep_report
     from app.results import format_metric
 
@@ -371,6 +391,7 @@ def report(sweep_uri: str, result_grid, plan: dict[str, Any], console: Console) 
         console.line(f"Best checkpoint: {best_checkpoint}")
     console.line(f"Tables:  {sweep_uri}/{TABLE_FILE}")
     console.line(f"Scaling: {sweep_uri}/{SCALING_FILE}")
+    return best
 
 
 def _run(args, console: Console) -> int:
@@ -395,6 +416,11 @@ def _run(args, console: Console) -> int:
         _resolve_task(args)
         _check_inputs(args, embedded=not args.address, console=console)
 
+    from app import sweep_console, tracking
+
+    mlflow = None if args.show else \
+        tracking.mlflow_settings(args.mlflow_uri, args.mlflow_experiment)
+    sweep_run = None
     cluster.connect(args.address, verbose=args.verbose)
     try:
         if args.show or args.resume:
@@ -417,6 +443,8 @@ def _run(args, console: Console) -> int:
             if args.show:
                 report(sweep_uri, tuner.get_results(), plan, console)
                 return 0
+            if mlflow is not None:
+                sweep_run = tracking.SweepRun(mlflow, sweep_uri, name, plan["flags"], console)
         else:
             if tune.Tuner.can_restore(sweep_uri):
                 raise UserError(
@@ -441,9 +469,13 @@ def _run(args, console: Console) -> int:
                     time_attr="epoch", max_t=args.epochs, grace_period=1, reduction_factor=2
                 ) if args.scheduler == "asha" else tune.schedulers.FIFOScheduler()
             )
+            if mlflow is not None:
+                sweep_run = tracking.SweepRun(mlflow, sweep_uri, name, plan["flags"], console)
+            param_space = _param_space(args, f"{sweep_uri}/{TRAIN_RUNS}")
+            param_space["mlflow"] = sweep_run.child_settings() if sweep_run else None
             tuner = tune.Tuner(
                 _trainable(),
-                param_space=_param_space(args, f"{sweep_uri}/{TRAIN_RUNS}"),
+                param_space=param_space,
                 tune_config=tune.TuneConfig(
                     metric=args.task.score, mode=args.task.score_mode, scheduler=scheduler,
                     num_samples=args.num_samples, max_concurrent_trials=concurrency,
@@ -451,23 +483,48 @@ def _run(args, console: Console) -> int:
                     # Train controller alive, holding its workers' placement group.
                     reuse_actors=False,
                 ),
-                # verbose=1: the status table, without a box per reported result.
+                # The sweep's own lines (sweep_console); Tune's status tables with --verbose.
                 run_config=tune.RunConfig(
-                    name=name, storage_path=storage_root, verbose=2 if args.verbose else 1
+                    name=name, storage_path=storage_root, verbose=2 if args.verbose else 0,
+                    callbacks=[sweep_console.SweepCallback()],
                 ),
             )
             # Tune keeps pickled state here, which --resume and --show load: owner-only.
             storage.make_private(sweep_uri)
             results.write_file(f"{sweep_uri}/{SWEEP_FILE}", json.dumps(plan).encode())
-            console.line(f"Sweep {name}: {plan['num_trials']} trials, up to {concurrency} at a "
-                         f"time; results in {sweep_uri}")
+            console.line(
+                f"Sweep {name}: {plan['num_trials']} trials of {args.task.name} (world sizes "
+                f"{', '.join(map(str, args.world_sizes))}; "
+                f"{'lr ' + args.lr if args.lr else 'lr sampled in ' + args.lr_range}; "
+                f"{args.epochs} epochs each, {args.scheduler}), up to {concurrency} at a time; "
+                f"results in {sweep_uri}")
+        if sweep_run is not None and sweep_run.client is not None:
+            console.line(f"MLflow: {sweep_run.link} (a child run per trial)")
+        if not args.verbose:
+            # Tune's new output engine prints its configuration box and a TensorBoard hint even
+            # at verbose=0; the legacy engine at verbose=0 prints nothing.
+            os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+        sweep_console.activate(sweep_console.SweepConsole(
+            console, plan["score"], plan["mode"], f"{sweep_uri}/{TRAIN_RUNS}",
+            mlflow_on=mlflow is not None))
         tuner.fit()
+        sweep_console.activate(None)
         # The statuses as Tune saved them, not the returned grid's: on Ctrl-C Tune saves the
         # experiment, then stops the running trials and marks them TERMINATED in memory, which
         # would count an interrupted trial as finished.
         result_grid = tune.Tuner.restore(sweep_uri, trainable=_trainable()).get_results()
-        report(sweep_uri, result_grid, plan, console)
+        best = report(sweep_uri, result_grid, plan, console)
         finished = result_grid.num_terminated + result_grid.num_errors
+        if sweep_run is not None:
+            sweep_run.finish(
+                "FINISHED" if finished == plan["num_trials"] else "KILLED",
+                best={f"best_{plan['score']}": best.best_score} if best.best_score is not None
+                else {},
+                tags={"best_trial": best.trial_id,
+                      **({"best_checkpoint": best.best["checkpoint_path"]}
+                         if best.best and best.best.get("checkpoint_path") else {})},
+                artifacts=[f"{sweep_uri}/{TABLE_FILE}", f"{sweep_uri}/{SCALING_FILE}"],
+            )
         if finished < plan["num_trials"]:
             # Tune stops gracefully on Ctrl-C (and SIGTERM) and returns what it has.
             how, code = ("terminated", EXIT_TERMINATED) if was_terminated() \

@@ -207,10 +207,16 @@ def _train(config: TrainConfig, worker_config: dict[str, Any], progress,
                            start_step=trainer.state.step)
     resize_signal = worker_config.get(RESIZE_SIGNAL_KEY)
     preemption_handled = False
+    live = _StepProgress(
+        trainer, progress, config.loop.log_every_steps,
+        steps_per_epoch(train_data.num_train, config.loop.global_batch_size, world_size),
+    ) if rank == 0 and progress is not None and config.loop.log_every_steps else None
 
     def after_step() -> None:
         nonlocal preemption_handled
         step = trainer.state.step
+        if live is not None:
+            live.after_step()
         if checks.due(step):
             trainer.check_diverged()  # the same verdict on every rank, at the same step
             # Rank 0 asks whether the controller wants to grow the group; the check's
@@ -236,6 +242,65 @@ def _train(config: TrainConfig, worker_config: dict[str, Any], progress,
         result = trainer.run_epoch(after_step=after_step)
         evaluation = trainer.evaluate()
         reporter.report_epoch(result, evaluation, model)
+
+
+PROGRESS_MAX_HZ = 4.0
+"""Progress points a second at most: the driver's live line needs no more."""
+
+
+def steps_per_epoch(num_train: int, global_batch_size: int, world_size: int) -> int:
+    """Steps in an epoch (``GlobalBatchSampler``: a last batch smaller than the world size is
+    dropped)."""
+    full, rest = divmod(num_train, global_batch_size)
+    return full + (rest >= world_size)
+
+
+class _StepProgress:
+    """Rank 0's progress points inside an epoch: every ``every_steps`` steps, at most
+    ``PROGRESS_MAX_HZ`` a second; the loss is rank 0's mean since the previous point (one host
+    sync per point, none per step)."""
+
+    def __init__(self, trainer: Trainer, progress, every_steps: int, steps_in_epoch: int):
+        self.trainer = trainer
+        self.progress = progress
+        self.every_steps = every_steps
+        self.steps_in_epoch = steps_in_epoch
+        self._epoch = -1  # the epoch the baseline below belongs to
+
+    def _mark(self) -> None:
+        state = self.trainer.state
+        self._epoch = state.epoch
+        self._time = time.perf_counter()
+        self._samples = state.epoch_samples
+        self._step = state.step
+        self._loss, self._local = self.trainer.running_loss()
+
+    def after_step(self) -> None:
+        state = self.trainer.state
+        if state.epoch != self._epoch:  # a new epoch: its first step is the baseline
+            self._mark()
+            return
+        if state.step % self.every_steps or \
+                time.perf_counter() - self._time < 1 / PROGRESS_MAX_HZ:
+            return
+        then, samples, step, loss, local = \
+            self._time, self._samples, self._step, self._loss, self._local
+        self._mark()
+        seconds = max(self._time - then, 1e-9)
+        send(self.progress, {
+            "event": "step",
+            "epoch": state.epoch + 1,
+            "epoch_step": state.epoch_step,
+            "steps_in_epoch": self.steps_in_epoch,
+            "epochs": self.trainer.config.loop.epochs,
+            "step": state.step,
+            "loss": (self._loss - loss) / max(self._local - local, 1),
+            "lr": self.trainer.lr,
+            "samples_per_second": (self._samples - samples) / seconds,
+            "steps_per_second": (self._step - step) / seconds,
+            "world_size": self.trainer.world_size,
+            "time": time.time(),
+        })
 
 
 RESIZE_WAIT_S = 40.0
