@@ -35,13 +35,13 @@ def progress_line(event: dict[str, Any]) -> str:
     rate = event.get("steps_per_second") or 0.0
     left_epoch = steps - step
     left_run = left_epoch + (event["epochs"] - event["epoch"]) * steps
-    eta = (f"ETA {_clock(left_epoch / rate)} epoch, {_clock(left_run / rate)} run" if rate > 0
-           else "ETA --")
+    eta = f"ETA {_clock(left_epoch / rate)} (run {_clock(left_run / rate)})" if rate > 0 \
+        else "ETA --"
     width = 20
     done = round(width * step / max(steps, 1))
     return (f"epoch {event['epoch']}/{event['epochs']} [{'#' * done}{'.' * (width - done)}] "
-            f"step {step}/{steps}  {event['samples_per_second']:,.0f} samples/s  "
-            f"loss {event['loss']:.4f}  {eta}")
+            f"{step}/{steps} steps | {event['samples_per_second']:,.0f} samples/s | "
+            f"loss {event['loss']:.4f} | {eta}")
 
 
 class Console:

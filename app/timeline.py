@@ -49,6 +49,11 @@ class RunRecord:
         self.record = load(run_uri) or {"name": name, "sessions": [], "events": []}
         self.record.update(info)  # task, dataset, epochs planned, score (the latest command's)
         self.record["status"] = "running"
+        for earlier in self.record["sessions"]:
+            # The run lock keeps a second driver off a running run: this driver's predecessor
+            # died without closing its session (kill -9, a lost machine).
+            if earlier.get("status") == "running":
+                earlier.update(status="lost", ended=earlier.get("last_seen", earlier["started"]))
         self.session = {"started": started, "last_seen": time.time(), "status": "running",
                         "host": socket.gethostname(), "pid": os.getpid()}
         self.record["sessions"].append(self.session)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import pty
+import re
 import signal
 import subprocess
 import sys
@@ -218,23 +220,44 @@ def test_killed_worker_recovers_to_the_undisturbed_accuracy(cluster, tmp_path, m
     assert gap <= 0.005, (summary.history, undisturbed.history)
     assert summary.history[-1]["val_accuracy"] >= 0.97
 
+    # The timeline: one failure, one restart after it, and the goodput that cost.
+    record = json.loads((tmp_path / "killed" / "run.json").read_text())
+    assert [e["event"] for e in record["events"] if e["event"] in ("start", "failure")] == \
+        ["start", "failure", "start"]
+    kinds = [item.kind for item in summary.analysis.disturbances]
+    assert kinds == ["startup", "restart"], summary.analysis.disturbances
+    assert 0 < summary.analysis.disturbances[1].seconds < 30
+    calm = undisturbed.analysis
+    assert 0 < summary.analysis.goodput < calm.goodput <= 1, (summary.analysis, calm)
+    assert Path(summary.timeline_uri).read_bytes()[:4] == b"\x89PNG"
+    header, *rows = (tmp_path / "killed" / "metrics.csv").read_text().splitlines()
+    assert header.endswith("wall_seconds,goodput") and len(rows) == 3
+    assert 0 < float(rows[-1].split(",")[-1]) <= 1
+
 
 def _latest_checkpoint(run_dir: Path) -> dict:
     snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
     return snapshot["latest_checkpoint_result"]
 
 
-def test_killed_driver_rerun_resumes_at_the_right_epoch_and_step(cluster, tmp_path):
+def test_killed_driver_rerun_resumes_at_the_right_epoch_and_step(cluster, tmp_path, mlflow_server):
+    """The first driver runs on a terminal (a pty) and is killed; the rerun, in a log, resumes
+    at the checkpoint's step and continues the same MLflow run and TensorBoard stream."""
     cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
     run_dir = tmp_path / "runs" / "driver"
     command = [
         sys.executable, "-m", "app.train", "--address", cluster.address, "--num-workers", "2",
         "--dataset", "digits", "--epochs", "40", "--checkpoint-every-steps", "5",
-        "--storage-path", str(tmp_path / "runs"), "--name", "driver",
+        "--storage-path", str(tmp_path / "runs"), "--name", "driver", "--log-every-steps", "1",
+        "--mlflow-uri", mlflow_server, "--mlflow-experiment", "driver-kill",
     ]
-    with open(tmp_path / "first.log", "w") as log:
-        driver = subprocess.Popen(command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    terminal, attached = pty.openpty()
+    driver = subprocess.Popen(command, cwd=tmp_path, stdout=attached, stderr=attached)
+    os.close(attached)
+    screen = bytearray()
+    reader = threading.Thread(target=_read_all, args=(terminal, screen), daemon=True)
+    reader.start()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if (run_dir / "checkpoint_manager_snapshot.json").exists():
@@ -244,8 +267,15 @@ def test_killed_driver_rerun_resumes_at_the_right_epoch_and_step(cluster, tmp_pa
         time.sleep(0.1)
     driver.send_signal(signal.SIGKILL)
     driver.wait(timeout=30)
+    reader.join(timeout=10)
     latest = _latest_checkpoint(run_dir)["metrics"]
     epoch, epoch_step = latest["epoch"], latest.get("epoch_step", 0)
+    # On the terminal: the live line, rewritten in place inside an epoch, then the rows.
+    shown = screen.decode(errors="replace")
+    assert "\r\x1b[Kepoch " in shown and " steps | " in shown and "samples/s | loss " in shown, \
+        shown[-2000:]
+    assert re.search(r"\n\s+1\s+2\s+\d\.\d{4}", shown), shown[-2000:]
+    first_run_id = json.loads((run_dir / "mlflow.json").read_text())["run_id"]
 
     command[command.index("40")] = str(epoch + 2)
     rerun = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
@@ -257,6 +287,52 @@ def test_killed_driver_rerun_resumes_at_the_right_epoch_and_step(cluster, tmp_pa
     assert f"Resumed from the checkpoint {expected}" in rerun.stdout, rerun.stdout
     rows = (run_dir / "metrics.csv").read_text().splitlines()[1:]
     assert [int(row.split(",")[0]) for row in rows] == list(range(1, epoch + 3))
+    assert "\r" not in rerun.stdout, "no live line in a log"
+
+    # MLflow: the same run, every epoch's validation metric once, the results attached.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(mlflow_server)
+    experiment = client.get_experiment_by_name("driver-kill")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.run_id == first_run_id and run.info.run_name == "driver"
+    assert run.info.status == "FINISHED"
+    history = client.get_metric_history(run.info.run_id, "val_accuracy")
+    assert sorted({point.step for point in history}) == list(range(1, epoch + 3))
+    assert run.data.params["optim.lr"] == "0.5" and run.data.params["num_workers"] == "2"
+    assert run.data.tags["best_checkpoint"].startswith(str(run_dir))
+    artifacts = {item.path for item in client.list_artifacts(run.info.run_id)}
+    assert {"curves.png", "timeline.png"} <= artifacts
+    assert first_run_id in rerun.stdout  # the MLflow line links the run
+
+    # TensorBoard: one stream, each epoch once, although the driver died mid-epoch.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    steps = [point.step for point in events.Scalars("epoch/val_accuracy")]
+    assert len(steps) == epoch + 2 and steps == sorted(set(steps)), steps
+    assert len(events.Scalars("train/loss")) > epoch + 2
+
+    # The record: two driver sessions, the second a driver restart.
+    record = json.loads((run_dir / "run.json").read_text())
+    assert [s["status"] for s in record["sessions"]] == ["lost", "finished"]
+    assert "driver restart" in rerun.stdout.split("Goodput:")[1].splitlines()[0]
+    listed = subprocess.run([sys.executable, "-m", "app.runs", "--storage-path",
+                             str(tmp_path / "runs")], capture_output=True, text=True, timeout=60)
+    assert listed.stdout.splitlines()[1].split()[:4] == [
+        "driver", "mnist-convnet", "finished", f"{epoch + 2}/{epoch + 2}"], listed.stdout
+
+
+def _read_all(fd: int, into: bytearray) -> None:
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # the terminal closed: every process on it has exited
+            return
+        if not chunk:
+            return
+        into.extend(chunk)
 
 
 def test_drained_node_gets_a_checkpoint_before_its_deadline(cluster, tmp_path, monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -28,13 +29,22 @@ def _table_rows(path: Path) -> list[list[str]]:
     return [line.split() for line in lines]
 
 
-def test_sweep_ranks_trials_and_reports_scaling(small_mnist_dir, tmp_path):
+def test_sweep_ranks_trials_and_reports_scaling(small_mnist_dir, tmp_path, mlflow_server):
     result = _tune(
         "--lr", "0.7,0.0001", "--num-workers", "1,2", "--num-samples", "1", "--epochs", "3",
         "--scheduler", "fifo", "--data-dir", str(small_mnist_dir), "--name", "grid",
-        "--target", "0.8", cwd=tmp_path,
+        "--target", "0.8", "--mlflow-uri", mlflow_server, "--mlflow-experiment", "sweeps",
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # The sweep's own lines, none of Tune's tables, boxes or hints.
+    for noise in ("Trial status", "Configuration for experiment", "│", "╭", "tensorboard --logdir",
+                  "View detailed results"):
+        assert noise not in result.stdout + result.stderr, noise
+    lines = result.stdout.splitlines()
+    assert len([line for line in lines if re.match(r"trial \w+ started: lr ", line)]) == 4
+    assert len([line for line in lines if re.match(r"trial \w+ finished: lr .*; best "
+                                                   r"val_accuracy .* at epoch \d; \d+ s", line)]) == 4
     sweep = tmp_path / "runs" / "grid"
     rows = _table_rows(sweep / "trials.txt")
     assert len(rows) == 4
@@ -49,6 +59,24 @@ def test_sweep_ranks_trials_and_reports_scaling(small_mnist_dir, tmp_path):
     assert "Best checkpoint:" in result.stdout
     best_checkpoint = Path(result.stdout.split("Best checkpoint: ")[1].split()[0])
     assert (best_checkpoint / "state.pt").exists()
+
+    # MLflow: the sweep is a parent run with one child run per trial.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(mlflow_server)
+    experiment = client.get_experiment_by_name("sweeps")
+    found = client.search_runs([experiment.experiment_id])
+    (parent,) = [run for run in found if run.info.run_name == "grid"]
+    children = [run for run in found if run.data.tags.get("mlflow.parentRunId") ==
+                parent.info.run_id]
+    assert len(found) == 5 and len(children) == 4
+    assert {run.data.params["num_workers"] for run in children} == {"1", "2"}
+    assert all(run.info.status == "FINISHED" for run in found)
+    for child in children:
+        history = client.get_metric_history(child.info.run_id, "val_accuracy")
+        assert [point.step for point in history] == [1, 2, 3]
+    assert parent.data.metrics["best_val_accuracy"] == pytest.approx(float(best[5].rstrip("%")) / 100,
+                                                                     abs=1e-4)
 
     shown = _tune("--name", "grid", "--show", "--target", "0.8", cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
