@@ -274,7 +274,7 @@ def test_killed_driver_rerun_resumes_at_the_right_epoch_and_step(cluster, tmp_pa
     shown = screen.decode(errors="replace")
     assert "\r\x1b[Kepoch " in shown and " steps | " in shown and "samples/s | loss " in shown, \
         shown[-2000:]
-    assert re.search(r"\n\s+1\s+2\s+\d\.\d{4}", shown), shown[-2000:]
+    assert re.search(r"\x1b\[K\s+1\s+2\s+\d\.\d{4}", shown), shown[-2000:]
     first_run_id = json.loads((run_dir / "mlflow.json").read_text())["run_id"]
 
     command[command.index("40")] = str(epoch + 2)
