@@ -105,6 +105,12 @@ def test_asha_stops_a_hopeless_trial_and_no_placement_group_leaks(
     assert rows[0.7][-1] == "completed"
     assert rows[1e-5][-5:] == ["stopped", "early", "by", "the", "scheduler"]
     assert int(rows[1e-5][6]) < 4
+    stopped = rows[1e-5][1]
+    assert re.search(rf"trial {stopped} stopped by the scheduler after epoch \d", result.stdout)
+    # Tune ended that trial before its driver could close its record: the sweep closed it.
+    record = json.loads(
+        (tmp_path / "runs" / "asha" / "train_runs" / f"trial-{stopped}" / "run.json").read_text())
+    assert record["status"] == "stopped early" and 0 <= record["goodput"] < 1
     # Stopped and finished trials released their workers: nothing of ours is left placed.
     time.sleep(2)
     leftover = [
