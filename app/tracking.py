@@ -51,6 +51,8 @@ class TensorBoardLog:
         self.local = self.target if _is_local(run_uri) else tempfile.mkdtemp(prefix="tb-")
         self.writer = None
         self._metrics: list[str] = []
+        self._step = 0
+        """The step of the latest point, for text events that come without one."""
 
     def _open(self, purge_step: int | None) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -63,7 +65,9 @@ class TensorBoardLog:
         kind = event.get("event")
         if kind == "start":
             resumed = event.get("resumed_at_epoch") is not None
-            self._open(event.get("step", 0) + 1 if resumed else None)
+            # Also for a start from nothing: a driver killed before the first checkpoint left
+            # points that this run trains again.
+            self._open(event.get("step", 0) + 1)
             self._metrics = list(event.get("metrics", [])) or self._metrics
             self.writer.add_scalar("run/world_size", event["world_size"], event.get("step", 0))
             what = f"resumed at step {event.get('step', 0)}" if resumed else "started"
@@ -92,10 +96,7 @@ class TensorBoardLog:
             self._text(event["step"], f"checkpointed at step {event['step']}: {why}")
         elif kind == "failure":
             lost = "; ".join(f"rank {rank}: {why}" for rank, why in event["workers"].items())
-            self._text(self._last_step(), f"worker failure ({lost})")
-
-    def _last_step(self) -> int:
-        return getattr(self, "_step", 0)
+            self._text(self._step, f"worker failure ({lost})")
 
     def _text(self, step: int, text: str) -> None:
         self._step = step
@@ -111,7 +112,7 @@ class TensorBoardLog:
     def finish(self, status: str, summary: Any = None) -> None:
         if self.writer is None:
             return
-        self.writer.add_text("events", f"run {status}", self._last_step())
+        self.writer.add_text("events", f"run {status}", self._step)
         self.writer.close()
         self._upload()
         if self.local != self.target:
@@ -270,10 +271,12 @@ class MlflowLog:
         mlflow_status = {"finished": "FINISHED", "failed": "FAILED"}.get(status, "KILLED")
         self._queue.put(lambda: terminate(self._client, self.run_id, mlflow_status))
         self._queue.put(_END)
-        self._thread.join(self.FINISH_TIMEOUT_S)
+        # An interrupted run should stop at once, not wait on a slow server.
+        timeout = self.FINISH_TIMEOUT_S if status == "finished" else 5.0
+        self._thread.join(timeout)
         if self._thread.is_alive():
             self.warn(f"MLflow tracking at {_safe(self.settings.tracking_uri)} did not answer "
-                      f"within {self.FINISH_TIMEOUT_S:.0f} s; the last metrics may be missing")
+                      f"within {timeout:.0f} s; the last metrics may be missing")
 
     def _finish_summary(self, summary) -> None:
         from mlflow.entities import RunTag
