@@ -16,7 +16,7 @@ METRICS_FILE = "metrics.csv"
 CURVES_FILE = "curves.png"
 _LEADING = ("epoch", "step", "world_size", "train_loss", "val_loss")
 _TRAILING = ("samples_per_second", "epoch_seconds", "lr", "param_checksum", "time",
-             "wall_seconds", "goodput")
+             "wall_seconds", "goodput", "lost_seconds", "lost_to")
 
 
 def metric_columns(history: list[dict[str, Any]]) -> list[str]:

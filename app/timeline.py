@@ -234,17 +234,24 @@ def analyse(record: dict[str, Any], history: list[dict[str, Any]] | None = None)
 
 def with_goodput(record: dict[str, Any] | None, history: list[dict[str, Any]]
                  ) -> list[dict[str, Any]]:
-    """The epoch rows with ``wall_seconds`` (the run's wall time at the row) and ``goodput``
-    (training seconds up to the row ÷ that), for metrics.csv."""
+    """The epoch rows with ``wall_seconds`` (the run's wall time at the row), ``goodput``
+    (training seconds up to the row ÷ that) and ``lost_seconds`` (what the starts, restarts
+    and resizes since the previous row cost, named in ``lost_to``), for metrics.csv."""
     if record is None or not record.get("sessions"):
         return history
     at = wall_clock(record)
-    rows, trained = [], 0.0
+    disturbances = analyse(record, history).disturbances
+    rows, trained, previous = [], 0.0, float("-inf")
     for row in history:
         trained += row.get("epoch_seconds", 0.0)
-        wall = at(row["time"]) if "time" in row else 0.0
+        moment = row.get("time", previous)
+        wall = at(moment) if "time" in row else 0.0
+        since = [item for item in disturbances if previous < item.time <= moment]
+        previous = moment
         rows.append({**row, "wall_seconds": round(wall, 3),
-                     "goodput": round(trained / wall, 4) if wall > 0 else ""})
+                     "goodput": round(trained / wall, 4) if wall > 0 else "",
+                     "lost_seconds": round(sum(item.seconds for item in since), 3),
+                     "lost_to": "; ".join(f"{item.kind} {item.seconds:.1f} s" for item in since)})
     return rows
 
 

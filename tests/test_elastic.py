@@ -231,8 +231,9 @@ def test_killed_worker_recovers_to_the_undisturbed_accuracy(cluster, tmp_path, m
     assert 0 < summary.analysis.goodput < calm.goodput <= 1, (summary.analysis, calm)
     assert Path(summary.timeline_uri).read_bytes()[:4] == b"\x89PNG"
     header, *rows = (tmp_path / "killed" / "metrics.csv").read_text().splitlines()
-    assert header.endswith("wall_seconds,goodput") and len(rows) == 3
-    assert 0 < float(rows[-1].split(",")[-1]) <= 1
+    assert header.endswith("wall_seconds,goodput,lost_seconds,lost_to") and len(rows) == 3
+    assert 0 < float(rows[-1].split(",")[-3]) <= 1
+    assert "restart" in rows[1].split(",")[-1], rows  # the kill was in epoch 2
 
 
 def _latest_checkpoint(run_dir: Path) -> dict:

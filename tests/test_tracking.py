@@ -78,6 +78,8 @@ def test_a_driver_rerun_counts_its_lost_tail_and_not_the_hours_between():
         for n, e in enumerate([e for e in record["events"] if e["event"] == "epoch"], 1)])
     assert [row["wall_seconds"] for row in rows] == [20.0, 50.0, 75.0]
     assert rows[-1]["goodput"] == pytest.approx(26 / 75, abs=1e-4)
+    assert [row["lost_seconds"] for row in rows] == [10.0, 14.0, 15.0]
+    assert rows[1]["lost_to"] == "restart 10.0 s; resize 4.0 s"
     png = timeline.timeline_png(record, analysis, "r")
     assert png[:4] == b"\x89PNG" and len(png) > 10_000
 
