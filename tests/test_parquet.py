@@ -380,6 +380,13 @@ def test_s3_data_and_checkpoints_survive_a_killed_driver(cluster, mnist_dir, tmp
     assert [int(row.split(",")[0]) for row in rows] == [1, 2]
     final = filesystem.get_file_info("runs/team/s3run/checkpoint_epoch_0002/state.pt")
     assert final.type == pyarrow.fs.FileType.File
+    # The run's record, timeline and TensorBoard files are on S3 too, across both drivers.
+    assert "warning:" not in rerun.stdout, rerun.stdout
+    record = _s3_json("runs/team/s3run/run.json")
+    assert [session["status"] for session in record["sessions"]] == ["lost", "finished"]
+    assert "Timeline:    s3://runs/team/s3run/timeline.png" in rerun.stdout
+    events = filesystem.get_file_info(pyarrow.fs.FileSelector("runs/team/s3run/tensorboard"))
+    assert any("tfevents" in info.base_name for info in events), events
     # app.evaluate reads the checkpoint and the run's Parquet data from S3 and gets the run's
     # own validation numbers.
     scored = subprocess.run(
