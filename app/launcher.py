@@ -285,7 +285,7 @@ def _uri(filesystem: pyarrow.fs.FileSystem | None, path: str) -> str:
     return f"{filesystem.type_name}://{path}"
 
 
-def _summarise(result: ray.train.Result, tracked: RunTracking | None = None) -> RunSummary:
+def summarise(result: ray.train.Result, tracked: RunTracking | None = None) -> RunSummary:
     latest = result.checkpoint
     run_uri = _uri(result.filesystem, result.path)
     if latest is None:
@@ -456,7 +456,7 @@ def launch(
             ),
             workers, fault_tolerance.placement_timeout_s, console,
         )
-        summary = _summarise(result, tracked)
+        summary = summarise(result, tracked)
     tracked.finish("finished", summary)
     return dataclasses.replace(summary, mlflow_link=tracked.mlflow_link())
 

@@ -105,7 +105,7 @@ def run_trial(config: dict[str, Any]) -> None:
             workers, fault_tolerance.placement_timeout_s, console,
         )
         # The trial's metrics.csv, curves and timeline, beside its checkpoints.
-        summary = launcher._summarise(result, tracked)
+        summary = launcher.summarise(result, tracked)
     tracked.finish("finished", summary)
 
 
