@@ -104,6 +104,12 @@ def _run_main(parser, run, argv, interrupted) -> int:
     except UserError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
+    except BrokenPipeError:  # the reader went away (`| head`): nothing is left to say
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # no real file descriptor (a test's stream)
+            pass
+        return 0
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (Terminated)
         if was_terminated():
             print(f"terminated: {interrupted}", file=sys.stderr, flush=True)

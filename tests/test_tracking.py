@@ -166,3 +166,16 @@ def test_runs_lists_and_shows_runs(tmp_path, capsys):
     assert f"metrics:     {folder / 'metrics.csv'}" in shown
     assert runs.main(["--storage-path", str(tmp_path / "runs"), "nope"]) == 2
     assert "no run named 'nope'" in capsys.readouterr().err
+
+
+def test_runs_output_cut_short_by_its_reader_is_no_traceback(tmp_path, monkeypatch):
+    folder = tmp_path / "runs" / "r"
+    folder.mkdir(parents=True)
+    (folder / "run.json").write_text(json.dumps(_record()))
+
+    class ClosedPipe(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("sys.stdout", ClosedPipe())
+    assert runs.main(["--storage-path", str(tmp_path / "runs"), "r"]) == 0
