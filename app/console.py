@@ -28,20 +28,35 @@ def _clock(seconds: float) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
-def progress_line(event: dict[str, Any]) -> str:
+BAR_WIDTH = 20
+"""The progress bar's width where the line has room for it."""
+
+
+def progress_line(event: dict[str, Any], columns: int = 1000) -> str:
     """The live line of a step event: where the epoch is, how fast, the loss, and the time
-    left in the epoch and in the run (from the current speed; validation not counted)."""
+    left in the epoch and in the run (from the current speed; validation not counted).
+
+    Within ``columns``: the bar (which only repeats the step count) narrows, then goes, then
+    the words get shorter, before anything is cut, so a narrow terminal still shows the ETA.
+    """
     steps, step = event["steps_in_epoch"], min(event["epoch_step"], event["steps_in_epoch"])
     rate = event.get("steps_per_second") or 0.0
     left_epoch = steps - step
     left_run = left_epoch + (event["epochs"] - event["epoch"]) * steps
     eta = f"ETA {_clock(left_epoch / rate)} (run {_clock(left_run / rate)})" if rate > 0 \
         else "ETA --"
-    width = 20
-    done = round(width * step / max(steps, 1))
-    return (f"epoch {event['epoch']}/{event['epochs']} [{'#' * done}{'.' * (width - done)}] "
-            f"{step}/{steps} steps | {event['samples_per_second']:,.0f} samples/s | "
+    head = f"epoch {event['epoch']}/{event['epochs']} "
+    tail = (f"{step}/{steps} steps | {event['samples_per_second']:,.0f} samples/s | "
             f"loss {event['loss']:.4f} | {eta}")
+    width = min(BAR_WIDTH, columns - len(head) - len(tail) - 3)  # 3: the brackets and a space
+    if width >= 5:
+        done = round(width * step / max(steps, 1))
+        return f"{head}[{'#' * done}{'.' * (width - done)}] {tail}"
+    compact = f"{step}/{steps} {event['samples_per_second']:,.0f}/s loss {event['loss']:.4f} {eta}"
+    for line in (head + tail, head + compact):
+        if len(line) <= columns:
+            return line
+    return (head + compact)[:columns]
 
 
 class Console:
@@ -76,7 +91,7 @@ class Console:
     def _live(self, event: dict[str, Any]) -> None:
         columns = shutil.get_terminal_size((100, 24)).columns
         with self._lock:
-            self.stream.write("\r\x1b[K" + progress_line(event)[: max(columns - 1, 20)])
+            self.stream.write("\r\x1b[K" + progress_line(event, max(columns - 1, 20)))
             self.stream.flush()
             self._line_open = True
 

@@ -12,7 +12,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from app import runs, timeline, tracking
-from app.console import Console
+from app.console import Console, progress_line
 
 T0 = 1_800_000_000.0
 
@@ -128,6 +128,21 @@ def test_live_line_updates_in_place_and_gives_way_to_rows():
     plain = io.StringIO()
     Console(plain, live=False).handle(_step(40))
     assert plain.getvalue() == ""
+
+
+def test_live_line_keeps_the_run_eta_on_a_narrow_terminal():
+    full = progress_line(_step(40))
+    assert len(full) > 80
+    for columns in (80, 72, 60):
+        line = progress_line(_step(40), columns)
+        assert len(line) <= columns, line
+        assert line.endswith("ETA 0:01 (run 0:07)"), line
+    narrower = progress_line(_step(40), 90)
+    assert len(narrower) <= 90 and "[####.......] 40/100 steps" in narrower, narrower
+    assert "[" not in progress_line(_step(40), 80), "no bar where none fits"
+    assert progress_line(_step(40), 60) == \
+        "epoch 2/5 40/100 6,400/s loss 0.2500 ETA 0:01 (run 0:07)"
+    assert len(progress_line(_step(40), 30)) == 30
 
 
 def _free_port() -> int:
