@@ -7,6 +7,7 @@ Ray Train would otherwise retry starting a worker group that can never be placed
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import math
 import os
@@ -17,6 +18,7 @@ import threading
 import time
 
 import ray
+from ray.experimental import internal_kv
 
 from app.config import UserError, WorkersConfig
 
@@ -29,6 +31,10 @@ FAST_RECOVERY_SYSTEM_CONFIG = {
     "health_check_timeout_ms": 1000,
     "health_check_failure_threshold": 3,
 }
+
+
+_KV_NAMESPACE = "ray-elastic-train"
+_EMBEDDED_KEY = b"embedded"
 
 
 def connect(address: str | None, verbose: bool) -> bool:
@@ -105,13 +111,42 @@ def _connect(address: str | None, verbose: bool) -> bool:
         return False
     # address="local" always starts a fresh cluster: a bare ray.init() would try to join whatever
     # /tmp/ray/ray_current_cluster names, even a cluster that is long gone.
-    ray.init(
-        address="local",
-        include_dashboard=False,
-        _system_config=FAST_RECOVERY_SYSTEM_CONFIG,
-        **options,
-    )
+    with _embedded_cluster_environment():
+        ray.init(
+            address="local",
+            include_dashboard=False,
+            _system_config=FAST_RECOVERY_SYSTEM_CONFIG,
+            **options,
+        )
+    internal_kv._internal_kv_put(_EMBEDDED_KEY, b"1", namespace=_KV_NAMESPACE)
     return True
+
+
+EMBEDDED_CLUSTER_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+"""Set in the embedded cluster's processes: no node of it is ever drained, so Ray Train's
+preemption watcher (a process per worker group, switched by its controller's environment) has
+nothing to watch; see app.lean."""
+
+
+@contextlib.contextmanager
+def _embedded_cluster_environment():
+    """Every process of the cluster ray.init starts inherits this process's environment as it
+    is then; this process's own is restored after (a later cluster it starts is not embedded).
+    A variable the user set is left as it is."""
+    added = {name: value for name, value in EMBEDDED_CLUSTER_ENV.items()
+             if name not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
+def is_embedded() -> bool:
+    """Whether the connected cluster is an embedded one (a command's own, one machine that
+    never grows); asked from any process on it, a sweep's trials too."""
+    return internal_kv._internal_kv_get(_EMBEDDED_KEY, namespace=_KV_NAMESPACE) == b"1"
 
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:

@@ -21,7 +21,7 @@ from ray.train.torch import TorchTrainer
 from ray.util.queue import Queue
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from app import checkpoint, cluster, parquet, results, timeline, tracking
+from app import checkpoint, cluster, lean, parquet, results, timeline, tracking
 from app.cluster import ClusterWatch
 from app.failures import AppFailurePolicy, FailureReporter, not_retryable_cause
 from app.placement import PlacementGroupReaper
@@ -75,7 +75,14 @@ class AppTorchTrainer(TorchTrainer):
     """TorchTrainer with this app's failure policy (``app.failures``): errors that no restart
     can fix end the run; a worker lost while the group restarts is one more failure. An elastic
     run also gets the app's scaling policy (``app.resize``): the workers checkpoint before the
-    group grows."""
+    group grows. Ray Train's helpers that have nothing to do are left out (``app.lean``).
+
+    ``embedded``: the cluster is the command's own, one machine that never grows.
+    """
+
+    def __init__(self, *args, embedded: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.embedded = embedded
 
     def _initialize_and_run_controller(self, **controller_init_kwargs) -> ray.train.Result:
         # Ray Train builds its default policies from its configs and offers no hook to choose
@@ -88,6 +95,13 @@ class AppTorchTrainer(TorchTrainer):
             controller_init_kwargs["scaling_policy"] = CheckpointFirstScalingPolicy(
                 self.scaling_config, worker_config[RESIZE_SIGNAL_KEY]
             )
+        elif self.embedded and not self.datasets:
+            controller_init_kwargs["scaling_policy"] = lean.LocalFixedScalingPolicy(
+                self.scaling_config
+            )
+        controller_init_kwargs["callbacks"] = lean.needed_callbacks(
+            controller_init_kwargs["callbacks"], has_datasets=bool(self.datasets)
+        )
         return super()._initialize_and_run_controller(**controller_init_kwargs)
 
 
@@ -228,6 +242,7 @@ def make_trainer(
     progress = (extra_worker_config or {}).get(PROGRESS_KEY)
     return AppTorchTrainer(
         train_loop_per_worker,
+        embedded=cluster.is_embedded(),
         train_loop_config={**train_config.to_dict(), **(extra_worker_config or {})},
         datasets=datasets,
         dataset_config=parquet.data_config(),
