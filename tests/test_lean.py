@@ -1,0 +1,39 @@
+"""The lean start (app.lean) on a real embedded cluster: a run starts only the actors it needs,
+trains, and leaves no placement group reserved."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import ray
+
+from app import cluster, launcher
+from app.config import DataConfig, LoopConfig, RunConfig, TrainConfig, WorkersConfig
+from app.console import Console
+
+pytestmark = pytest.mark.integration
+
+
+def test_an_embedded_run_starts_only_the_actors_it_needs(tmp_path):
+    assert cluster.connect(None, verbose=False), "no address: an embedded cluster"
+    try:
+        assert cluster.is_embedded()
+        summary = launcher.launch(
+            TrainConfig(data=DataConfig(dataset="digits"), loop=LoopConfig(epochs=1)),
+            WorkersConfig(min_workers=2, max_workers=2),
+            RunConfig("lean", str(tmp_path / "runs")), console=Console(io.StringIO()),
+        )
+        # Every actor the cluster ever had, from the GCS (no state API needed).
+        started = sorted(actor["ActorClassName"] for actor in ray._private.state.actors().values())
+        groups = ray.util.placement_group_table().values()
+    finally:
+        cluster.disconnect()
+    assert [row["epoch"] for row in summary.history] == [1]
+    assert summary.best_metrics["val_accuracy"] > 0.3, "it trained"
+    # Ray Train's cleaner, dataset manager, preemption watcher and autoscaling coordinator
+    # were not started; the controller, its synchronisation actor, the two workers and the
+    # driver's progress queue were.
+    assert started == ["RayTrainWorker", "RayTrainWorker", "SynchronizationActor",
+                       "TrainController", "_QueueActor"], started
+    assert [group["state"] for group in groups] == ["REMOVED"]
