@@ -11,7 +11,8 @@ when the run ends. A controller runs one worker group at a time, so no live grou
 Inside a Ray Tune trial the controller can also die before it ends its run: Tune kills a trial
 the moment its scheduler stops it, and the controller (owned by the trial) goes with it. Its
 placement group belongs to the sweep's job and outlives it; Ray Train's own cleaner would remove
-it but needs the dashboard's state API, which the embedded cluster does not start. With
+it but needs the dashboard's state API, which the embedded cluster does not start, and it is
+left out of every run (``app.lean``). With
 ``guard=True`` the reaper starts a small detached actor that removes the groups once the
 controller is gone.
 """
