@@ -58,6 +58,8 @@ class SweepConsole:
         self.mlflow_on = mlflow_on
         self.best: dict[str, tuple[float, int]] = {}
         self.started: dict[str, float] = {}
+        self.ended: dict[str, str] = {}
+        """The run folder of every trial that ended, and how it ended (its record's status)."""
 
     @staticmethod
     def _what(trial) -> str:
@@ -97,12 +99,23 @@ class SweepConsole:
         self.console.line(f"trial {trial.trial_id} {how}: {self._what(trial)}; {score}; "
                           f"{seconds:.0f} s")
         run_uri = f"{self.train_storage}/trial-{trial.trial_id}"
-        try:
-            timeline.finalize(run_uri, status)
-        except Exception as error:  # noqa: BLE001 - never a reason to stop the sweep
-            self.console.line(f"warning: cannot close the record of {run_uri}: {error}")
+        self.ended[run_uri] = status
+        self._close_record(run_uri, status)
         if self.mlflow_on:
             tracking.close_child_run(run_uri, status, self.console)
+
+    def close_records(self) -> None:
+        """Close the ended trials' records again once the sweep is over. Tune reports a trial
+        stopped by the scheduler before the trial's process is gone, and that process may
+        still save its record (as running) after the first close; none is left by now."""
+        for run_uri, status in self.ended.items():
+            self._close_record(run_uri, status)
+
+    def _close_record(self, run_uri: str, status: str) -> None:
+        try:
+            timeline.finalize(run_uri, status)  # a record already closed is left as it is
+        except Exception as error:  # noqa: BLE001 - never a reason to stop the sweep
+            self.console.line(f"warning: cannot close the record of {run_uri}: {error}")
 
 
 def _trial_error(trial) -> str:

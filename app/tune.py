@@ -504,11 +504,13 @@ def _run(args, console: Console) -> int:
             # Tune's new output engine prints its configuration box and a TensorBoard hint even
             # at verbose=0; the legacy engine at verbose=0 prints nothing.
             os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
-        sweep_console.activate(sweep_console.SweepConsole(
+        trials_console = sweep_console.SweepConsole(
             console, plan["score"], plan["mode"], f"{sweep_uri}/{TRAIN_RUNS}",
-            mlflow_on=mlflow is not None))
+            mlflow_on=mlflow is not None)
+        sweep_console.activate(trials_console)
         tuner.fit()
         sweep_console.activate(None)
+        trials_console.close_records()
         # The statuses as Tune saved them, not the returned grid's: on Ctrl-C Tune saves the
         # experiment, then stops the running trials and marks them TERMINATED in memory, which
         # would count an interrupted trial as finished.

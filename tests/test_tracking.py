@@ -194,3 +194,28 @@ def test_runs_output_cut_short_by_its_reader_is_no_traceback(tmp_path, monkeypat
 
     monkeypatch.setattr("sys.stdout", ClosedPipe())
     assert runs.main(["--storage-path", str(tmp_path / "runs"), "r"]) == 0
+
+
+def test_a_trial_record_reopened_after_its_stop_is_closed_again_when_the_sweep_ends(tmp_path):
+    """Tune reports a trial stopped by the scheduler while the trial's process may still save
+    its record as running: the sweep closes it at once, and again after the sweep."""
+    from types import SimpleNamespace
+
+    from app.sweep_console import SweepConsole
+
+    run_uri = str(tmp_path / "trial-t1")
+    trial_side = timeline.RunRecord(run_uri, "trial-t1", {"epochs": 4, "score": "val_accuracy",
+                                                        "score_mode": "max"}, time.time())
+    trial_side.save()
+    sweep = SweepConsole(Console(io.StringIO()), "val_accuracy", "max", str(tmp_path),
+                         mlflow_on=False)
+    trial = SimpleNamespace(trial_id="t1", last_result={"epoch": 1, "val_accuracy": 0.5},
+                            config={"num_workers": 1, "train": {"optim": {"lr": 0.1},
+                                                                "loop": {"epochs": 4,
+                                                                         "global_batch_size": 64}}})
+    sweep.trial_ended(trial, error=False)
+    assert timeline.load(run_uri)["status"] == "stopped early"
+    trial_side.save()  # the trial's process, not yet gone, saves its record again
+    assert timeline.load(run_uri)["status"] == "running"
+    sweep.close_records()
+    assert timeline.load(run_uri)["status"] == "stopped early"
