@@ -33,8 +33,15 @@ FAST_RECOVERY_SYSTEM_CONFIG = {
 }
 
 
+EMBEDDED_CLUSTER_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+"""Set in the embedded cluster's processes: no node of it is ever drained, so Ray Train's
+preemption watcher (a process per worker group, switched by its controller's environment) has
+nothing to watch; see app.lean."""
+
+
 _KV_NAMESPACE = "ray-elastic-train"
 _EMBEDDED_KEY = b"embedded"
+"""Set in the GCS of an embedded cluster: ``is_embedded()`` for any process on it."""
 
 
 def connect(address: str | None, verbose: bool) -> bool:
@@ -120,12 +127,6 @@ def _connect(address: str | None, verbose: bool) -> bool:
         )
     internal_kv._internal_kv_put(_EMBEDDED_KEY, b"1", namespace=_KV_NAMESPACE)
     return True
-
-
-EMBEDDED_CLUSTER_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
-"""Set in the embedded cluster's processes: no node of it is ever drained, so Ray Train's
-preemption watcher (a process per worker group, switched by its controller's environment) has
-nothing to watch; see app.lean."""
 
 
 @contextlib.contextmanager

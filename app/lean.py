@@ -30,6 +30,7 @@ from ray.train.v2._internal.callbacks.placement_group_callback import (
 )
 from ray.train.v2._internal.execution.scaling_policy.fixed import FixedScalingPolicy
 
+
 def needed_callbacks(callbacks: Sequence[Any], *, has_datasets: bool) -> list[Any]:
     """Ray Train's default controller callbacks without those that have nothing to do."""
     unneeded: tuple[type, ...] = (PlacementGroupCleanerCallback,)

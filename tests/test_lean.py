@@ -4,6 +4,7 @@ trains, and leaves no placement group reserved."""
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 import ray
@@ -16,9 +17,13 @@ pytestmark = pytest.mark.integration
 
 
 def test_an_embedded_run_starts_only_the_actors_it_needs(tmp_path):
+    assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in os.environ
     assert cluster.connect(None, verbose=False), "no address: an embedded cluster"
     try:
         assert cluster.is_embedded()
+        # Set for the cluster's processes only: a cluster this process starts later keeps
+        # Ray Train's preemption watcher.
+        assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in os.environ
         summary = launcher.launch(
             TrainConfig(data=DataConfig(dataset="digits"), loop=LoopConfig(epochs=1)),
             WorkersConfig(min_workers=2, max_workers=2),
