@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import importlib.util
 import os
 import socket
 import zlib
@@ -178,17 +179,29 @@ def _read_idx_split(folder: Path, split: str) -> RawSplit:
     return RawSplit(images=images, labels=labels.astype(np.uint8))
 
 
+def _sklearn_digits() -> tuple[np.ndarray, np.ndarray]:
+    """The file behind ``sklearn.datasets.load_digits()``, read as it does: (1,797 x 8 x 8
+    images of 0-16, their labels). Importing ``sklearn.datasets`` costs ~1.8 s of CPU in each
+    process that loads the set (the driver and every worker), for one small CSV."""
+    spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("the digits data set ships with scikit-learn, which is not installed "
+                        "(pip install scikit-learn)")
+    csv = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
+    with gzip.open(csv, "rt", encoding="utf-8") as rows:
+        table = np.loadtxt(rows, delimiter=",")
+    return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(int)
+
+
 def _digits() -> RawDataset:
     """scikit-learn's 1,797 bundled 8x8 digits, resized to 28x28: real data with no download."""
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
-    small = torch.from_numpy(bunch.images.astype(np.float32) / 16.0).unsqueeze(1)
+    digit_images, digit_labels = _sklearn_digits()
+    small = torch.from_numpy(digit_images.astype(np.float32) / 16.0).unsqueeze(1)
     resized = torch.nn.functional.interpolate(
         small, size=(28, 28), mode="bilinear", align_corners=False
     )
     images = (resized.squeeze(1).clamp(0, 1) * 255).round().to(torch.uint8).numpy()
-    labels = bunch.target.astype(np.uint8)
+    labels = digit_labels.astype(np.uint8)
     # A fixed permutation, independent of --seed, so validation is the same images in every run.
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0)).numpy()
     num_val = len(labels) // 5

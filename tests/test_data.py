@@ -1,4 +1,6 @@
 import gzip
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -84,6 +86,22 @@ def test_digits_fallback_is_real_and_shaped_like_mnist():
     assert len(train) + len(val) == 1797
     assert set(val.tensors[1].tolist()) == set(range(10))
     assert abs(train.tensors[0].mean().item()) < 1e-3
+
+
+def test_digits_are_read_as_scikit_learn_loads_them_without_importing_it():
+    """app.data reads scikit-learn's bundled file itself: the same images and labels as
+    load_digits(), and no sklearn module is imported for it (~1.8 s in every process)."""
+    script = ("import sys\nfrom app import data\nimages, labels = data._sklearn_digits()\n"
+              "print(sorted(name for name in sys.modules if name.startswith('sklearn')))")
+    imported = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              check=True)
+    assert imported.stdout.strip() == "[]", imported.stdout
+    from sklearn.datasets import load_digits
+
+    images, labels = data._sklearn_digits()
+    bunch = load_digits()
+    np.testing.assert_array_equal(images, bunch.images)
+    np.testing.assert_array_equal(labels, bunch.target)
 
 
 def test_cifar10_batches_in_torchvision_layout_load_normalised(tmp_path):
