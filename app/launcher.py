@@ -244,6 +244,7 @@ def make_trainer(
         train_loop_per_worker,
         embedded=cluster.is_embedded(),
         train_loop_config={**train_config.to_dict(), **(extra_worker_config or {})},
+        torch_config=lean.TorchConfig(),
         datasets=datasets,
         dataset_config=parquet.data_config(),
         scaling_config=ray.train.ScalingConfig(

@@ -11,6 +11,10 @@ have nothing to do:
   controller can die before its run ends) its guard removes a dead controller's; outside a
   sweep the controller dies with its driver, and Ray removes the groups of a finished job.
 - The dataset manager, when the run has no Ray Data sets (the in-memory path).
+- torch in the controller. Ray's ``TorchConfig`` lives in a module that imports torch, so the
+  controller imported it (~2.5 s of CPU, before it could ask for a single worker) only to
+  unpickle its config and to name the functions it sends to the workers. ``TorchConfig`` here
+  is the same configuration and process-group setup, with the torch side run in the workers.
 - On the embedded cluster (one machine, started by the command, nothing to add or drain):
   the autoscaling coordinator that a fixed-size run registers its request with (no autoscaler
   can act on it; an elastic run still reads its nodes through it, and Ray Data budgets its
@@ -21,14 +25,27 @@ have nothing to do:
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Sequence
 from typing import Any
 
+import ray
+from ray.exceptions import GetTimeoutError
+from ray.train._internal.utils import get_address_and_port, update_env_vars
+from ray.train.backend import Backend, BackendConfig
+from ray.train.constants import (
+    DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
+    TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
+)
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.callbacks.placement_group_callback import (
     PlacementGroupCleanerCallback,
 )
 from ray.train.v2._internal.execution.scaling_policy.fixed import FixedScalingPolicy
+from ray.train.v2._internal.util import TrainingFramework
+
+logger = logging.getLogger(__name__)
 
 
 def needed_callbacks(callbacks: Sequence[Any], *, has_datasets: bool) -> list[Any]:
@@ -52,3 +69,70 @@ class LocalFixedScalingPolicy(FixedScalingPolicy):
 
     def _send_resource_request(self) -> None:
         pass
+
+
+@dataclasses.dataclass
+class TorchConfig(BackendConfig):
+    """``ray.train.torch.TorchConfig`` (``env://`` rendezvous) that the controller can unpickle
+    without importing torch. ``TorchTrainer`` fills in ``backend`` (gloo, or nccl on GPUs)."""
+
+    backend: str | None = None
+    timeout_s: int = 1800
+
+    @property
+    def backend_cls(self):
+        return _TorchBackend
+
+    @property
+    def train_func_context(self):
+        # Used where the training function is built (the driver), which has torch.
+        from ray.train.torch.config import TorchConfigContextManager
+
+        return TorchConfigContextManager
+
+    @property
+    def framework(self):
+        return TrainingFramework.TORCH
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _in_worker(function: str, **kwargs: Any) -> Any:
+    """``ray.train.torch.config.<function>(**kwargs)``, sent to a worker by this module's name so
+    that the controller never imports the torch module that defines it."""
+    from ray.train.torch import config
+
+    return getattr(config, function)(**kwargs)
+
+
+class _TorchBackend(Backend):
+    """Ray's ``_TorchBackend`` for an ``env://`` process group: the same steps, in the same
+    order, with every torch call made in the workers."""
+
+    share_cuda_visible_devices: bool = True
+
+    def on_start(self, worker_group, backend_config: TorchConfig) -> None:
+        address, port = worker_group.execute_single(0, get_address_and_port)
+        worker_group.execute(update_env_vars, {"MASTER_ADDR": address, "MASTER_PORT": port})
+        worker_group.execute(_in_worker, "_set_torch_distributed_env_vars")
+        ray.get([
+            worker_group.execute_single_async(
+                rank, _in_worker, "_setup_torch_process_group", backend=backend_config.backend,
+                world_rank=rank, world_size=len(worker_group), init_method="env://",
+                timeout_s=backend_config.timeout_s,
+            )
+            for rank in range(len(worker_group))
+        ])
+
+    def on_shutdown(self, worker_group, backend_config: TorchConfig) -> None:
+        futures = worker_group.execute_async(
+            _in_worker, "_shutdown_torch", destroy_process_group=len(worker_group) > 1
+        )
+        timeout_s = ray._private.ray_constants.env_integer(
+            TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
+        )
+        try:
+            ray.get(futures, timeout=timeout_s)
+        except GetTimeoutError:
+            logger.warning("Torch process group shutdown timed out after %s seconds", timeout_s)

@@ -5,15 +5,31 @@ from __future__ import annotations
 
 import io
 import os
+import sys
 
 import pytest
 import ray
+from ray import cloudpickle
+from ray.experimental import internal_kv
 
 from app import cluster, launcher
 from app.config import DataConfig, LoopConfig, RunConfig, TrainConfig, WorkersConfig
 from app.console import Console
 
 pytestmark = pytest.mark.integration
+
+
+class HeavyModulesInController(ray.train.UserCallback):
+    """Runs in the controller: stores which of torch and scikit-learn it has imported."""
+
+    def after_report(self, run_context, metrics, checkpoint):
+        heavy = sorted({name.split(".")[0] for name in sys.modules} & {"torch", "sklearn"})
+        internal_kv._internal_kv_put(b"controller-modules", ",".join(heavy).encode(),
+                                     namespace="test-lean")
+
+
+# The controller cannot import this test module: Ray's pickler sends the callback's code along.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def test_an_embedded_run_starts_only_the_actors_it_needs(tmp_path):
@@ -28,7 +44,10 @@ def test_an_embedded_run_starts_only_the_actors_it_needs(tmp_path):
             TrainConfig(data=DataConfig(dataset="digits"), loop=LoopConfig(epochs=1)),
             WorkersConfig(min_workers=2, max_workers=2),
             RunConfig("lean", str(tmp_path / "runs")), console=Console(io.StringIO()),
+            callbacks=[HeavyModulesInController()],
         )
+        controller_modules = internal_kv._internal_kv_get(b"controller-modules",
+                                                          namespace="test-lean")
         # Every actor the cluster ever had, from the GCS (no state API needed).
         started = sorted(actor["ActorClassName"] for actor in ray._private.state.actors().values())
         groups = ray.util.placement_group_table().values()
@@ -42,3 +61,5 @@ def test_an_embedded_run_starts_only_the_actors_it_needs(tmp_path):
     assert started == ["RayTrainWorker", "RayTrainWorker", "SynchronizationActor",
                        "TrainController", "_QueueActor"], started
     assert [group["state"] for group in groups] == ["REMOVED"]
+    # The controller unpickled its torch config and set up the process group without torch.
+    assert controller_modules == b"", controller_modules
