@@ -11,6 +11,11 @@ and, as the baseline, how long Ray Train itself takes from ``TorchTrainer.fit()`
 line of a no-op training function, and to the end of ``fit()``, on the same cluster.
 
     python bench/startup.py --data-dir ../shared/datasets/mnist [--workers 2] [--repeats 2]
+        [--baseline-checkout ../old]
+
+``--baseline-checkout``: another checkout of the app (an earlier release, from ``git worktree
+add``), whose command runs interleaved with this one's, on the same data, so that the ratio of
+their fixed costs comes from one invocation (this machine drifts 10-20 % between runs).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import csv
 import io
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,17 +32,21 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO = Path(__file__).resolve().parent.parent
 
 from throughput import prepare  # noqa: E402  (the same 8,000 / 2,000 split)
 
 
-def cli_run(data_dir: Path, workers: int, storage: Path, name: str) -> tuple[float, float]:
-    """(wall seconds of the whole command, training seconds it reported)."""
+def cli_run(data_dir: Path, workers: int, storage: Path, name: str,
+            checkout: Path = REPO) -> tuple[float, float]:
+    """(wall seconds of the whole command, training seconds it reported), with the app of
+    ``checkout`` (``python -m`` from there imports its ``app``, and Ray's workers get the
+    driver's path)."""
     started = time.perf_counter()
     result = subprocess.run(
         [sys.executable, "-m", "app.train", "--num-workers", str(workers), "--epochs", "1",
          "--data-dir", str(data_dir), "--storage-path", str(storage), "--name", name],
-        capture_output=True, text=True,
+        capture_output=True, text=True, cwd=checkout,
     )
     wall = time.perf_counter() - started
     if result.returncode != 0:
@@ -126,16 +136,30 @@ def main() -> None:
                         help="folder with MNIST/raw/t10k-*.gz (the 10,000 real images)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--baseline-checkout", type=Path,
+                        help="another checkout of the app to run interleaved, as the baseline")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as temporary:
         root = Path(temporary)
         data_dir = root / "data"
         prepare(args.data_dir, data_dir, 8_000)
         os.chdir(root)
+        checkouts = {"this checkout": REPO}
+        if args.baseline_checkout:
+            checkouts["baseline"] = args.baseline_checkout.resolve()
+        fixed: dict[str, list[float]] = {label: [] for label in checkouts}
         for repeat in range(args.repeats):
-            wall, training = cli_run(data_dir, args.workers, root / "runs", f"cli-{repeat}")
-            print(f"python -m app.train, 1 epoch, {args.workers} workers: {wall:.1f} s wall, "
-                  f"{training:.1f} s training -> fixed cost {wall - training:.1f} s", flush=True)
+            for label, checkout in checkouts.items():
+                wall, training = cli_run(data_dir, args.workers, root / "runs",
+                                         f"cli-{label.split()[-1]}-{repeat}", checkout)
+                fixed[label].append(wall - training)
+                print(f"{label}: python -m app.train, 1 epoch, {args.workers} workers: "
+                      f"{wall:.1f} s wall, {training:.1f} s training -> fixed cost "
+                      f"{wall - training:.1f} s", flush=True)
+        if args.baseline_checkout:
+            ours, theirs = (statistics.median(fixed[label]) for label in checkouts)
+            print(f"fixed cost, medians: {ours:.1f} s against the baseline's {theirs:.1f} s "
+                  f"({ours / theirs:.2f}x)")
         print(f"interpreter and imports: {imports_seconds():.1f} s")
         measured = phases(data_dir, args.workers, root / "runs", "phases")
         for phase, seconds in measured.items():
