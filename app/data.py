@@ -188,6 +188,8 @@ def _sklearn_digits() -> tuple[np.ndarray, np.ndarray]:
         raise DataError("the digits data set ships with scikit-learn, which is not installed "
                         "(pip install scikit-learn)")
     csv = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
+    if not csv.is_file():
+        raise DataError(f"{csv}: file not found (scikit-learn's digits; reinstall scikit-learn)")
     with gzip.open(csv, "rt", encoding="utf-8") as rows:
         table = np.loadtxt(rows, delimiter=",")
     return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(int)

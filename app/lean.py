@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import ray
+from ray._private import ray_constants
 from ray.exceptions import GetTimeoutError
 from ray.train._internal.utils import get_address_and_port, update_env_vars
 from ray.train.backend import Backend, BackendConfig
@@ -129,7 +130,7 @@ class _TorchBackend(Backend):
         futures = worker_group.execute_async(
             _in_worker, "_shutdown_torch", destroy_process_group=len(worker_group) > 1
         )
-        timeout_s = ray._private.ray_constants.env_integer(
+        timeout_s = ray_constants.env_integer(
             TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
         )
         try:

@@ -104,6 +104,18 @@ def test_digits_are_read_as_scikit_learn_loads_them_without_importing_it():
     np.testing.assert_array_equal(labels, bunch.target)
 
 
+def test_a_scikit_learn_without_its_digits_file_is_a_data_error(tmp_path, monkeypatch):
+    import importlib.machinery
+
+    package = tmp_path / "sklearn"
+    package.mkdir()
+    spec = importlib.machinery.ModuleSpec("sklearn", None, is_package=True)
+    spec.submodule_search_locations = [str(package)]
+    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: spec)
+    with pytest.raises(data.DataError, match="digits.csv.gz: file not found"):
+        data.load("digits", "unused")
+
+
 def test_cifar10_batches_in_torchvision_layout_load_normalised(tmp_path):
     generator = np.random.default_rng(0)
     folder = tmp_path / data.CIFAR10_FOLDER
