@@ -448,8 +448,9 @@ def launch(
     # Its controller polls workers every 2 s by default: a lost worker (and the end of the run)
     # is noticed sooner at 0.5 s.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-    # A restart planned just before a lost node was noticed waits for that node's share of the
-    # placement group; give up on it after 20 s (Ray's default 60 s) and plan again.
+    # A restart sized before Ray noticed a lost node (one that vanished without a word, until
+    # the health checks give up on it) waits for that node's share of the placement group; give
+    # up on it after 20 s (Ray's default 60 s) and size it again.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
     if run_exists(run):
         console.line(f"Run {run.name!r} exists in {run.storage_path}: resuming it.")

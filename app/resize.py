@@ -11,6 +11,9 @@ say so, and wait to be stopped. The policy then lets the resize happen, from tha
 from __future__ import annotations
 
 import ray
+from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client import (
+    AUTOSCALING_REQUESTS_GET_TIMEOUT_S,
+)
 from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
 from ray.train.v2._internal.execution.scaling_policy.scaling_policy import (
     NoopDecision,
@@ -53,7 +56,14 @@ class ResizeSignal:
 
 class CheckpointFirstScalingPolicy(ElasticScalingPolicy):
     """Ray Train's elastic policy, except that a decision to grow waits for the workers'
-    checkpoint (or ``CHECKPOINT_WAIT_S``)."""
+    checkpoint (or ``CHECKPOINT_WAIT_S``), and that a (re)start is sized on the cluster as it
+    is at that moment.
+
+    Ray's policy counts the nodes in the autoscaling coordinator's reservation, which the
+    coordinator recomputes on its own tick (20 s). A restart right after a node left was sized
+    for the departed node too: its placement group could never be placed, and the restart
+    waited out the worker-group start timeout before it was sized again.
+    """
 
     def __init__(self, scaling_config, signal):
         super().__init__(scaling_config)
@@ -62,12 +72,33 @@ class CheckpointFirstScalingPolicy(ElasticScalingPolicy):
         self._requested_at = 0.0
         self._probe = None
         self._saved_seen = False
+        self._recompute = False
 
     def make_decision_for_non_running_worker_group(self) -> ScalingDecision:
         if self._pending is not None or self._saved_seen:
             self._pending, self._probe, self._saved_seen = None, None, False
             self._signal.clear.remote()
+        self._recompute = True
         return super().make_decision_for_non_running_worker_group()
+
+    def _get_reserved_resources(self):
+        if not self._recompute:
+            return super()._get_reserved_resources()
+        # Asked after Ray's policy has sent its resource request, so the recomputed
+        # reservation includes it.
+        self._recompute = False
+        try:
+            reserved = ray.get(
+                self._autoscaling_coordinator.get_reserved_resources.remote(
+                    self._requester_id, recompute=True
+                ),
+                timeout=AUTOSCALING_REQUESTS_GET_TIMEOUT_S,
+            )
+        except Exception:  # noqa: BLE001 - Ray's own view (and its warning) instead
+            return super()._get_reserved_resources()
+        self._latest_reserved_resources = reserved
+        self._latest_reserved_resources_query_time = time_monotonic()
+        return reserved
 
     def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
         if self._pending is not None:
