@@ -208,6 +208,15 @@ def fit_watched(
     Raises UserError for the user's mistakes (also a worker's) and a watchdog's verdict, and
     RunFailed when training fails after its retries.
     """
+    # Ray Train forwards these variables from the process that fits to its controller (a
+    # single run's driver, or a sweep's trial). The controller polls workers every 2 s by
+    # default, and takes in at most one report per poll: a lost worker, each epoch's report and
+    # the end of the run are seen sooner at 0.5 s.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    # A restart sized before Ray noticed a lost node (one that vanished without a word, until
+    # the health checks give up on it) waits for that node's share of the placement group; give
+    # up on it after 20 s (Ray's default 60 s) and size it again.
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
     with _ProgressPump(console) as pump:
         trainer = build(pump.queue)
         watch = ClusterWatch(workers, placement_timeout_s)
@@ -444,14 +453,6 @@ def launch(
     """
     if fault_tolerance is None:
         fault_tolerance = FaultToleranceConfig(max_failures=3 if workers.is_elastic else 0)
-    # Recovery settings; Ray Train forwards these variables from the driver to its actors.
-    # Its controller polls workers every 2 s by default: a lost worker (and the end of the run)
-    # is noticed sooner at 0.5 s.
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-    # A restart sized before Ray noticed a lost node (one that vanished without a word, until
-    # the health checks give up on it) waits for that node's share of the placement group; give
-    # up on it after 20 s (Ray's default 60 s) and size it again.
-    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
     if run_exists(run):
         console.line(f"Run {run.name!r} exists in {run.storage_path}: resuming it.")
     datasets, extras = data_inputs(train_config, workers, manifest, console, verbose)
