@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from app import checkpoint, cluster, lean, parquet, results, timeline, tracking
 from app.cluster import ClusterWatch
 from app.failures import AppFailurePolicy, FailureReporter, not_retryable_cause
-from app.placement import PlacementGroupReaper
+from app.placement import PlacementGroupReaper, reaper_first
 from app.resize import RESIZE_SIGNAL_KEY, CheckpointFirstScalingPolicy, ResizeSignal
 from app.storage import join, run_exists
 from app.config import (
@@ -99,9 +99,9 @@ class AppTorchTrainer(TorchTrainer):
             controller_init_kwargs["scaling_policy"] = lean.LocalFixedScalingPolicy(
                 self.scaling_config
             )
-        controller_init_kwargs["callbacks"] = lean.needed_callbacks(
+        controller_init_kwargs["callbacks"] = reaper_first(lean.needed_callbacks(
             controller_init_kwargs["callbacks"], has_datasets=bool(self.datasets)
-        )
+        ))
         return super()._initialize_and_run_controller(**controller_init_kwargs)
 
 

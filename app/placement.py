@@ -8,6 +8,13 @@ waits forever. ``PlacementGroupReaper`` runs inside Ray Train's controller and r
 placement group an earlier worker group of the same run held, before the next group starts and
 when the run ends. A controller runs one worker group at a time, so no live group is touched.
 
+A worker that dies while the group runs its start callbacks (``after_worker_group_start``:
+the process group's setup, for one) fails the start after Ray has marked the group started, so
+Ray neither shuts it down nor hands it to the controller: its placement group, and the surviving
+workers in it, stay until the run ends, and every later start times out waiting for those
+resources. The reaper therefore records a group as the first of those callbacks
+(``reaper_first``), before any other can fail.
+
 Inside a Ray Tune trial the controller can also die before it ends its run: Tune kills a trial
 the moment its scheduler stops it, and the controller (owned by the trial) goes with it. Its
 placement group belongs to the sweep's job and outlives it; Ray Train's own cleaner would remove
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 import ray
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
@@ -137,6 +145,13 @@ class PlacementGroupReaper(WorkerGroupCallback, ControllerCallback):
             self._guard.forget.remote([group.id.hex() for group in self._groups])
         self._groups.clear()
         return released
+
+
+def reaper_first(callbacks: list[Any]) -> list[Any]:
+    """The controller's callbacks with the reapers moved to the front (the module says why);
+    the others keep their order."""
+    reapers = [callback for callback in callbacks if isinstance(callback, PlacementGroupReaper)]
+    return reapers + [callback for callback in callbacks if callback not in reapers]
 
 
 def _bundles(entry: dict) -> str:

@@ -10,9 +10,12 @@ import time
 import pytest
 import ray.cloudpickle
 import ray.train
+from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 
 from app import checkpoint, launcher
-from app.config import DataConfig, LoopConfig, RunConfig, TrainConfig, WorkersConfig
+from app.config import (
+    DataConfig, FaultToleranceConfig, LoopConfig, RunConfig, TrainConfig, WorkersConfig,
+)
 from app.console import Console
 
 pytestmark = pytest.mark.integration
@@ -37,7 +40,23 @@ def _reports(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _launch(tmp_path, config, name, num_workers=2):
+class KillAWorkerInTheFirstStart(WorkerGroupCallback):
+    """Kills rank 1 while the first worker group runs its start callbacks, as a kill -9
+    between the workers' creation and their first step does."""
+
+    def __init__(self):
+        self.killed = False
+
+    def after_worker_group_start(self, worker_group):
+        if self.killed:
+            return
+        self.killed = True
+        victim = worker_group.get_workers()[1].actor
+        ray.kill(victim)
+        ray.get(victim.__ray_ready__.remote())  # raises RayActorError: the start fails
+
+
+def _launch(tmp_path, config, name, num_workers=2, callbacks=(), fault_tolerance=None):
     output = io.StringIO()
     record = tmp_path / f"{name}-reports-{len(list(tmp_path.glob('*.jsonl')))}.jsonl"
     summary = launcher.launch(
@@ -45,7 +64,8 @@ def _launch(tmp_path, config, name, num_workers=2):
         WorkersConfig(min_workers=num_workers, max_workers=num_workers),
         RunConfig(name=name, storage_path=str(tmp_path / "runs")),
         console=Console(output),
-        callbacks=[RecordReports(record)],
+        callbacks=[RecordReports(record), *callbacks],
+        fault_tolerance=fault_tolerance,
     )
     return summary, output.getvalue(), _reports(record)
 
@@ -110,6 +130,24 @@ def test_rerun_with_the_same_name_resumes_at_the_next_epoch(ray_cluster, tmp_pat
     assert "All 3 epochs were already trained" in output
     assert third_reports == []  # nothing retrained
     assert third.history == second.history
+
+
+def test_a_worker_killed_during_the_start_callbacks_leaves_nothing_reserved(ray_cluster, tmp_path):
+    """Ray marks a worker group started before its start callbacks run, and leaves its
+    placement group reserved when one fails: without the reaper recording it first, the
+    restart waits for 2 CPUs that group holds until the run gives up."""
+    from ray.util.placement_group import placement_group_table
+
+    config = TrainConfig(data=DataConfig(dataset="digits"), loop=LoopConfig(epochs=1))
+    killer = KillAWorkerInTheFirstStart()
+    summary, output, reports = _launch(
+        tmp_path, config, "killed-in-start", callbacks=[killer],
+        fault_tolerance=FaultToleranceConfig(max_failures=2, placement_timeout_s=60),
+    )
+    assert "restarting" in output, output  # the kill happened and cost one retry
+    assert [row["epoch"] for row in summary.history] == [1]
+    assert len(reports) == 1 and len(reports[0]) == 2
+    assert all(entry["state"] == "REMOVED" for entry in placement_group_table().values())
 
 
 def test_reaper_releases_earlier_groups_and_the_guard_a_dead_controllers(ray_cluster):
