@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 import time
 
@@ -148,6 +149,28 @@ def test_a_worker_killed_during_the_start_callbacks_leaves_nothing_reserved(ray_
     assert [row["epoch"] for row in summary.history] == [1]
     assert len(reports) == 1 and len(reports[0]) == 2
     assert all(entry["state"] == "REMOVED" for entry in placement_group_table().values())
+
+
+def test_every_fit_polls_its_workers_twice_a_second(ray_cluster, monkeypatch):
+    """A sweep's trials fit through ``fit_watched`` as a single run does: Ray Train's controller
+    takes in one report per poll (2 s by default), so each must get the 0.5 s poll, set where
+    Ray Train reads it (the fitting process's environment, when the trainer is built)."""
+    names = ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S")
+    for name in names:  # unset here, and as before once the test is over
+        monkeypatch.setenv(name, "unset")
+        monkeypatch.delenv(name)
+    seen = {}
+
+    class Built(Exception):
+        pass
+
+    def build(progress):
+        seen.update({name: os.environ.get(name) for name in names})
+        raise Built
+
+    with pytest.raises(Built):
+        launcher.fit_watched(build, WorkersConfig(), 60, Console(io.StringIO()))
+    assert seen == dict(zip(names, ("0.5", "20")))
 
 
 def test_reaper_releases_earlier_groups_and_the_guard_a_dead_controllers(ray_cluster):
