@@ -3,6 +3,8 @@ with its own loss and metrics, resume compatibility, and scoring checkpoints."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -217,3 +219,25 @@ def test_a_task_that_cannot_run_is_one_line_before_any_worker_starts(changes, me
     with pytest.raises(UserError, match=message):
         check_on_samples(task, train)
     check_on_samples(load_task(USER_TASK), train)  # the task as written passes
+
+
+def test_the_sample_check_builds_the_optimiser_without_importing_the_compiler():
+    """torch imports torch._dynamo on the first optimiser built (1.5-3 s of CPU); the driver's
+    check never compiles nor steps, so it goes without, and optimisers built after it (in a
+    process that does import the compiler) are wrapped as torch makes them."""
+    script = (
+        "import sys\n"
+        "from app.task import check_on_samples, load_task\n"
+        "task = load_task('mnist-convnet')\n"
+        "train, _ = task.builder('digits')('')\n"
+        "check_on_samples(task, train)\n"
+        "assert 'torch._dynamo' not in sys.modules, 'the check imported the compiler'\n"
+        "import torch, torch._dynamo\n"
+        "function = torch.optim.Optimizer.add_param_group.__wrapped__\n"
+        "assert not hasattr(function, '__dynamo_disable')\n"
+        "model = torch.nn.Linear(2, 1)\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "assert function.__dynamo_disable is not function, 'dynamo wraps it again'\n"
+        "model(torch.ones(1, 2)).sum().backward(); optimizer.step()\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
