@@ -61,6 +61,62 @@ def connect(address: str | None, verbose: bool) -> bool:
                 signal.signal(number, handler)
 
 
+class Connecting:
+    """``connect()`` made in a background thread while the command prepares (its imports, the
+    data set's load and the task's check): an embedded cluster's start is several processes of
+    its own, so on a small machine it runs beside the command's single-process preparation
+    instead of after it. ``wait()`` returns what ``connect()`` does, or raises what it raised.
+
+    As a context manager it disconnects on exit; an exit before the connection was made (a
+    bad data set, Ctrl-C) waits for it first, so that nothing it started is left running.
+
+    The thread lives until then: Ray starts the cluster's processes with the parent-death
+    signal set, which the kernel sends when the *thread* that started them ends.
+    """
+
+    def __init__(self, address: str | None, verbose: bool, deadline_s: float = 120.0):
+        self._deadline_s = deadline_s
+        self._outcome: dict[str, object] = {}
+        self._made = threading.Event()
+        self._done = threading.Event()
+        # ray.init installs no signal handler outside the main thread, so the command's own
+        # SIGTERM and SIGINT handlers stay in place.
+        self._thread = threading.Thread(
+            target=self._connect, args=(address, verbose), name="ray-connect", daemon=True
+        )
+        self._thread.start()
+
+    def _connect(self, address: str | None, verbose: bool) -> None:
+        try:
+            self._outcome["embedded"] = _connect(address, verbose)
+        except BaseException as error:  # noqa: BLE001 - re-raised in the waiting thread
+            self._outcome["error"] = error
+        self._made.set()
+        self._done.wait()
+
+    def wait(self) -> bool:
+        if not self._made.wait(self._deadline_s):
+            raise UserError(
+                f"connecting to Ray took longer than {self._deadline_s:.0f} s; rerun with "
+                "--verbose to see Ray's own messages"
+            )
+        if "error" in self._outcome:
+            raise self._outcome["error"]  # type: ignore[misc]
+        return bool(self._outcome["embedded"])
+
+    def __enter__(self) -> Connecting:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        try:
+            self._made.wait(self._deadline_s)
+            if ray.is_initialized():
+                disconnect()
+        finally:
+            self._done.set()
+            self._thread.join(1.0)
+
+
 def disconnect(timeout_s: float = 8.0) -> None:
     """ray.shutdown(), but never for longer than ``timeout_s``: a stop (Ctrl-C, SIGTERM) must
     end the command promptly even when the cluster no longer answers."""
@@ -118,7 +174,7 @@ def _connect(address: str | None, verbose: bool) -> bool:
         return False
     # address="local" always starts a fresh cluster: a bare ray.init() would try to join whatever
     # /tmp/ray/ray_current_cluster names, even a cluster that is long gone.
-    with _embedded_cluster_environment():
+    with _embedded_cluster_environment(), _lean_head(log_monitor=verbose):
         ray.init(
             address="local",
             include_dashboard=False,
@@ -127,6 +183,34 @@ def _connect(address: str | None, verbose: bool) -> bool:
         )
     internal_kv._internal_kv_put(_EMBEDDED_KEY, b"1", namespace=_KV_NAMESPACE)
     return True
+
+
+@contextlib.contextmanager
+def _lean_head(log_monitor: bool):
+    """The embedded cluster's head without the processes a command's own cluster never uses.
+
+    ray.init starts them all on every head it makes and has no option for any of them: the
+    API server (with the dashboard off it only reports usage statistics, and importing its
+    dependencies costs this process a second first), the autoscaler's monitor (one machine,
+    nothing to scale) and, without --verbose, the log monitor (it sends workers' output to a
+    driver that does not ask for it). Each is a Python process of about a second of CPU,
+    taken from the workers' start on a small machine. Ray skips a head's API server that
+    failed to start just the same way.
+    """
+    from ray._private.node import Node
+
+    skipped = {"start_monitor": lambda self: None,
+               "start_api_server": lambda self, **kwargs: None}
+    if not log_monitor:
+        skipped["start_log_monitor"] = lambda self: None
+    originals = {name: getattr(Node, name) for name in skipped}
+    for name, replacement in skipped.items():
+        setattr(Node, name, replacement)
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(Node, name, original)
 
 
 @contextlib.contextmanager

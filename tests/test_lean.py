@@ -10,6 +10,7 @@ import sys
 import pytest
 import ray
 from ray import cloudpickle
+from ray._private import ray_constants
 from ray.experimental import internal_kv
 
 from app import cluster, launcher
@@ -51,6 +52,7 @@ def test_an_embedded_run_starts_only_the_actors_it_needs(tmp_path):
         # Every actor the cluster ever had, from the GCS (no state API needed).
         started = sorted(actor["ActorClassName"] for actor in ray._private.state.actors().values())
         groups = ray.util.placement_group_table().values()
+        head_processes = set(ray._private.worker._global_node.all_processes)
     finally:
         cluster.disconnect()
     assert [row["epoch"] for row in summary.history] == [1]
@@ -63,3 +65,25 @@ def test_an_embedded_run_starts_only_the_actors_it_needs(tmp_path):
     assert [group["state"] for group in groups] == ["REMOVED"]
     # The controller unpickled its torch config and set up the process group without torch.
     assert controller_modules == b"", controller_modules
+    # The head started no API server, autoscaler monitor nor (without --verbose) log monitor.
+    assert head_processes.isdisjoint({
+        ray_constants.PROCESS_TYPE_DASHBOARD, ray_constants.PROCESS_TYPE_MONITOR,
+        ray_constants.PROCESS_TYPE_LOG_MONITOR,
+    }), head_processes
+    assert {ray_constants.PROCESS_TYPE_GCS_SERVER, ray_constants.PROCESS_TYPE_RAYLET} \
+        <= head_processes, head_processes
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_only_a_verbose_embedded_head_starts_the_log_monitor(verbose):
+    """--verbose shows workers' output, which the log monitor sends; the API server and the
+    autoscaler monitor are never started, and Ray's own start methods are back after."""
+    from ray._private.node import Node
+
+    originals = {name: getattr(Node, name)
+                 for name in ("start_api_server", "start_monitor", "start_log_monitor")}
+    with cluster._lean_head(log_monitor=verbose):
+        assert Node.start_api_server is not originals["start_api_server"]
+        assert Node.start_monitor is not originals["start_monitor"]
+        assert (Node.start_log_monitor is originals["start_log_monitor"]) == verbose
+    assert {name: getattr(Node, name) for name in originals} == originals
