@@ -212,19 +212,27 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         dataset = args.dataset or ("" if task.offline_fallback else task.default_dataset)
         _check_resumable(early, TrainConfig(task=reference, optim=optim, loop=loop),
                          task.name, dataset)
-    data, manifest = flags.resolve_data(args, task, console, load=embedded,
-                                        global_batch_size=loop.global_batch_size)
-    dataset = data.dataset or task.default_dataset
-    run = RunConfig(
-        name=args.name or f"{dataset}-{time.strftime('%Y%m%d-%H%M%S')}",
-        storage_path=storage_path,
-    )
-    config = TrainConfig(task=reference, data=data, optim=optim, loop=loop,
-                         checkpoint=checkpoints)
-    with storage.RunLock(run):
-        _check_resumable(run, config, task.name, dataset)
-        return _train(args, console, config, task, workers, run, fault_tolerance, manifest,
-                      embedded)
+    if args.parquet is None:
+        task.builder(args.dataset or "")  # an unknown data set is refused before Ray starts
+    # Every check that needs no data has passed: the cluster starts now, beside the data's
+    # load, the task's check on its samples and the launcher's imports.
+    with cluster.Connecting(args.address, verbose=args.verbose) as connection:
+        data, manifest = flags.resolve_data(args, task, console, load=embedded,
+                                            global_batch_size=loop.global_batch_size)
+        dataset = data.dataset or task.default_dataset
+        run = RunConfig(
+            name=args.name or f"{dataset}-{time.strftime('%Y%m%d-%H%M%S')}",
+            storage_path=storage_path,
+        )
+        config = TrainConfig(task=reference, data=data, optim=optim, loop=loop,
+                             checkpoint=checkpoints)
+        with storage.RunLock(run):
+            _check_resumable(run, config, task.name, dataset)
+            from app import launcher  # noqa: F401 - imported while the cluster starts
+
+            connection.wait()
+            return _train(args, console, config, task, workers, run, fault_tolerance,
+                          manifest, embedded)
 
 
 def _check_resumable(run: RunConfig, config: TrainConfig, task_name: str, dataset: str) -> None:
@@ -244,7 +252,6 @@ def _check_resumable(run: RunConfig, config: TrainConfig, task_name: str, datase
 def _train(args, console, config, task, workers, run, fault_tolerance, manifest, embedded) -> int:
     from app import cluster, launcher
 
-    cluster.connect(args.address, verbose=args.verbose)
     try:
         # An embedded cluster never grows, so there is nothing to wait for.
         cluster.check_capacity(
@@ -263,8 +270,6 @@ def _train(args, console, config, task, workers, run, fault_tolerance, manifest,
             print(f"error: training failed: {error} (rerun with --verbose for details)",
                   file=sys.stderr)
         return 1
-    finally:
-        cluster.disconnect()
     console.line()
     best = summary.best_metrics
     console.line(

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -89,9 +90,27 @@ def test_unwritable_storage_path(tmp_path):
     _assert_one_line_error(result, f"cannot write to storage path {blocker / 'runs'}")
 
 
+def _cluster_servers() -> set[int]:
+    """Process ids of the Ray GCS servers running on this machine."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and b"gcs_server" in (entry / "cmdline").read_bytes():
+                found.add(int(entry.name))
+        except OSError:
+            pass  # ended meanwhile
+    return found
+
+
 def test_missing_and_corrupt_data_name_the_file(tmp_path):
+    before = _cluster_servers()
     result = _cli("--dataset", "mnist", "--data-dir", str(tmp_path / "nothing"), cwd=tmp_path)
     _assert_one_line_error(result, "mnist")
+    # The embedded cluster starts beside the data's load; a load that fails stops it.
+    deadline = time.monotonic() + 10
+    while _cluster_servers() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _cluster_servers() - before, "the command left its cluster running"
     raw = data.raw_folder(tmp_path / "data", "mnist")
     for prefix, count in (("train", 30), ("t10k", 10)):
         data.write_idx(raw / f"{prefix}-images-idx3-ubyte", np.zeros((count, 28, 28), np.uint8))
