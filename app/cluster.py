@@ -13,7 +13,6 @@ import math
 import os
 import signal
 import socket
-import subprocess
 import threading
 import time
 
@@ -120,31 +119,12 @@ class Connecting:
 def disconnect(timeout_s: float = 8.0) -> None:
     """ray.shutdown(), but never for longer than ``timeout_s``: a stop (Ctrl-C, SIGTERM) must
     end the command promptly even when the cluster no longer answers."""
-    _stop_autoscaler_monitor()
     stopper = threading.Thread(target=ray.shutdown, name="ray-shutdown", daemon=True)
     stopper.start()
     stopper.join(timeout_s)
     if stopper.is_alive():
         # Ray calls ray.shutdown() again at interpreter exit, which would wait just the same.
         atexit.unregister(ray.shutdown)
-
-
-def _stop_autoscaler_monitor() -> None:
-    """Kill an embedded cluster's autoscaler monitor first: it ignores SIGTERM, and
-    ray.shutdown() waits a whole second for it before killing it anyway (1 s of every run's
-    fixed cost). Nothing needs it once the run is over."""
-    from ray._private import ray_constants, worker
-
-    node = getattr(worker, "_global_node", None)
-    if node is None or not node.head:
-        return
-    for info in node.all_processes.get(ray_constants.PROCESS_TYPE_MONITOR, []):
-        if info.process.poll() is None:
-            info.process.kill()
-            try:
-                info.process.wait(timeout=1)
-            except subprocess.TimeoutExpired:
-                pass  # ray.shutdown() deals with it as before
 
 
 def _connect(address: str | None, verbose: bool) -> bool:
