@@ -49,15 +49,26 @@ def connect(address: str | None, verbose: bool) -> bool:
     Keeps the process's own SIGTERM and SIGINT handlers: ray.init installs Ray's, which on
     SIGTERM dumps a C++ stack and exits 134 instead of letting the app stop cleanly.
     """
-    handlers = {}
-    if threading.current_thread() is threading.main_thread():
-        handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
+    handlers = _signal_handlers()
     try:
         return _connect(address, verbose)
     finally:
-        for number, handler in handlers.items():
-            if handler is not None:
-                signal.signal(number, handler)
+        _restore(handlers)
+
+
+def _signal_handlers() -> dict[int, object]:
+    """The Python SIGTERM and SIGINT handlers, when called in the main thread (the only one
+    that can set them again)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _restore(handlers: dict[int, object]) -> None:
+    # signal.signal sets the OS-level handler again even when the Python one is unchanged.
+    for number, handler in handlers.items():
+        if handler is not None:
+            signal.signal(number, handler)
 
 
 class Connecting:
@@ -78,8 +89,10 @@ class Connecting:
         self._outcome: dict[str, object] = {}
         self._made = threading.Event()
         self._done = threading.Event()
-        # ray.init installs no signal handler outside the main thread, so the command's own
-        # SIGTERM and SIGINT handlers stay in place.
+        # ray.init in another thread installs no Python signal handler, but Ray's core worker
+        # still installs its C++ failure handler (a stack dump on SIGTERM) for the whole
+        # process: wait() and the exit put the command's own handlers back, as connect() does.
+        self._handlers = _signal_handlers()
         self._thread = threading.Thread(
             target=self._connect, args=(address, verbose), name="ray-connect", daemon=True
         )
@@ -94,7 +107,9 @@ class Connecting:
         self._done.wait()
 
     def wait(self) -> bool:
-        if not self._made.wait(self._deadline_s):
+        made = self._made.wait(self._deadline_s)
+        _restore(self._handlers)
+        if not made:
             raise UserError(
                 f"connecting to Ray took longer than {self._deadline_s:.0f} s; rerun with "
                 "--verbose to see Ray's own messages"
@@ -109,6 +124,7 @@ class Connecting:
     def __exit__(self, *exc_info) -> None:
         try:
             self._made.wait(self._deadline_s)
+            _restore(self._handlers)
             if ray.is_initialized():
                 disconnect()
         finally:
