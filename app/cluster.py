@@ -86,6 +86,8 @@ class Connecting:
 
     def __init__(self, address: str | None, verbose: bool, deadline_s: float = 120.0):
         self._deadline_s = deadline_s
+        # One deadline for wait() and the exit together: an exit after wait() gave up adds none.
+        self._deadline = time.monotonic() + deadline_s
         self._outcome: dict[str, object] = {}
         self._made = threading.Event()
         self._done = threading.Event()
@@ -107,7 +109,7 @@ class Connecting:
         self._done.wait()
 
     def wait(self) -> bool:
-        made = self._made.wait(self._deadline_s)
+        made = self._made.wait(self._left_s())
         _restore(self._handlers)
         if not made:
             raise UserError(
@@ -118,18 +120,22 @@ class Connecting:
             raise self._outcome["error"]  # type: ignore[misc]
         return bool(self._outcome["embedded"])
 
+    def _left_s(self) -> float:
+        return max(0.0, self._deadline - time.monotonic())
+
     def __enter__(self) -> Connecting:
         return self
 
     def __exit__(self, *exc_info) -> None:
         try:
-            self._made.wait(self._deadline_s)
+            self._made.wait(self._left_s())
             _restore(self._handlers)
             if ray.is_initialized():
                 disconnect()
         finally:
             self._done.set()
-            self._thread.join(1.0)
+            if self._made.is_set():  # else it is stuck in Ray, and a daemon
+                self._thread.join(1.0)
 
 
 def disconnect(timeout_s: float = 8.0) -> None:

@@ -246,3 +246,32 @@ def test_cluster_watch_survives_a_short_gcs_hiccup(monkeypatch):
     time.sleep(0.3)
     with pytest.raises(UserError, match="has not answered for 0.2 s"):
         watch.check(last_alive=time.monotonic())
+
+
+def test_a_connection_that_never_comes_gives_up_once_with_the_reason(monkeypatch):
+    import threading
+    import time
+
+    from app import cluster
+
+    never = threading.Event()
+    monkeypatch.setattr(cluster, "_connect", lambda address, verbose: never.wait(30))
+    started = time.monotonic()
+    with pytest.raises(UserError, match="connecting to Ray took longer than 1 s"):
+        with cluster.Connecting(None, verbose=False, deadline_s=1.0) as connection:
+            connection.wait()
+    # wait() and the exit share the one deadline: the exit adds no second wait.
+    assert time.monotonic() - started < 1.8
+    never.set()
+
+
+def test_a_failed_connection_raises_in_the_waiting_thread(monkeypatch):
+    from app import cluster
+
+    def refuse(address, verbose):
+        raise UserError("no Ray cluster answers at 127.0.0.1:1")
+
+    monkeypatch.setattr(cluster, "_connect", refuse)
+    with pytest.raises(UserError, match="no Ray cluster answers"):
+        with cluster.Connecting("127.0.0.1:1", verbose=False) as connection:
+            connection.wait()
