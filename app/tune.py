@@ -280,14 +280,19 @@ def _resolve_task(args) -> None:
         args.target = task.target
 
 
-def _check_inputs(args, embedded: bool, console: Console) -> None:
-    """What app.train checks, for every trial at once, before any trial starts."""
+def _check_batches(args) -> None:
+    """Each global batch has a sample for every worker of the largest world size."""
     batches = _parse_list(args.global_batch_size, int, "--global-batch-size")
     if min(batches) < max(args.world_sizes):
         raise UserError(
             f"--global-batch-size {min(batches)} is smaller than the {max(args.world_sizes)} "
             "workers of the largest world size: each worker needs a sample per step"
         )
+
+
+def _check_data(args, embedded: bool, console: Console) -> None:
+    """The data as app.train checks it, for every trial at once, before any trial starts."""
+    batches = _parse_list(args.global_batch_size, int, "--global-batch-size")
     args.data, _ = flags.resolve_data(args, args.task, console, load=embedded,
                                       global_batch_size=max(batches))
 
@@ -395,8 +400,6 @@ def report(sweep_uri: str, result_grid, plan: dict[str, Any], console: Console):
 
 
 def _run(args, console: Console) -> int:
-    from ray import tune
-
     from app import cluster, results, storage
 
     args.world_sizes = _parse_list(args.num_workers, int, "--num-workers")
@@ -414,15 +417,23 @@ def _run(args, console: Console) -> int:
     storage.check_storage(storage_root)
     if not args.resume and not args.show:
         _resolve_task(args)
-        _check_inputs(args, embedded=not args.address, console=console)
+        _check_batches(args)
 
-    from app import sweep_console, tracking
+    from app import tracking
 
     mlflow = None if args.show else \
         tracking.mlflow_settings(args.mlflow_uri, args.mlflow_experiment)
     sweep_run = None
-    cluster.connect(args.address, verbose=args.verbose)
-    try:
+    # Every check that needs no data has passed: the cluster starts now, beside the data's
+    # load, the task's check on its samples and the sweep's imports.
+    with cluster.Connecting(args.address, verbose=args.verbose) as connection:
+        if not args.resume and not args.show:
+            _check_data(args, embedded=not args.address, console=console)
+        from ray import tune
+
+        from app import sweep_console
+
+        connection.wait()
         if args.show or args.resume:
             if not tune.Tuner.can_restore(sweep_uri):
                 raise UserError(f"no sweep named {name!r} in {storage_root}")
@@ -541,8 +552,6 @@ def _run(args, console: Console) -> int:
             print(f"error: {result_grid.num_errors} trial(s) failed; their logs are under "
                   f"{sweep_uri}", file=sys.stderr, flush=True)
             return 1
-    finally:
-        cluster.disconnect()
     return 0
 
 
