@@ -202,7 +202,7 @@ def _param_space(args, train_storage: str) -> dict[str, Any]:
     if len(lr_range) != 2 or not 0 < lr_range[0] < lr_range[1]:
         raise UserError(f"--lr-range must be MIN,MAX with 0 < MIN < MAX, got {args.lr_range!r}")
     lrs = _parse_list(args.lr, float, "--lr") if args.lr else None
-    batches = _parse_list(args.global_batch_size, int, "--global-batch-size")
+    batches = args.batches
     # Validate one concrete config now: a bad value fails here, not in every trial.
     template = TrainConfig(
         task=args.task_reference,
@@ -281,8 +281,10 @@ def _resolve_task(args) -> None:
 
 
 def _check_batches(args) -> None:
-    """Each global batch has a sample for every worker of the largest world size."""
-    batches = _parse_list(args.global_batch_size, int, "--global-batch-size")
+    """Each global batch has a sample for every worker of the largest world size.
+
+    Sets ``args.batches``, the parsed list that the data check and the sweep's grid use."""
+    args.batches = batches = _parse_list(args.global_batch_size, int, "--global-batch-size")
     if min(batches) < max(args.world_sizes):
         raise UserError(
             f"--global-batch-size {min(batches)} is smaller than the {max(args.world_sizes)} "
@@ -292,9 +294,8 @@ def _check_batches(args) -> None:
 
 def _check_data(args, embedded: bool, console: Console) -> None:
     """The data as app.train checks it, for every trial at once, before any trial starts."""
-    batches = _parse_list(args.global_batch_size, int, "--global-batch-size")
     args.data, _ = flags.resolve_data(args, args.task, console, load=embedded,
-                                      global_batch_size=max(batches))
+                                      global_batch_size=max(args.batches))
 
 
 def _trainable():
@@ -464,7 +465,7 @@ def _run(args, console: Console) -> int:
                 )
             concurrency = _default_concurrency(args, args.max_concurrent_trials)
             num_lrs = len(_parse_list(args.lr, float, "--lr")) if args.lr else 1
-            num_batches = len(_parse_list(args.global_batch_size, int, "--global-batch-size"))
+            num_batches = len(args.batches)
             plan = {
                 "num_trials": args.num_samples * num_lrs * num_batches * len(args.world_sizes),
                 "score": args.task.score,

@@ -141,12 +141,14 @@ def test_interrupted_sweep_resumes_without_redoing_finished_trials(small_mnist_d
         return done
 
     deadline = time.monotonic() + 300
-    while not finished_trials() and time.monotonic() < deadline:
+    # A sweep that exits before its first trial finished fails the test now, not at the deadline.
+    while not finished_trials() and sweep.poll() is None and time.monotonic() < deadline:
         time.sleep(0.5)
     first_done = finished_trials()
     assert first_done, (tmp_path / "first.log").read_text()[-3000:]
     # Ctrl-C while the second trial is running: Tune stops it, and it must not count as done.
-    while len(list(train_runs.glob("trial-*"))) < 2 and time.monotonic() < deadline:
+    while len(list(train_runs.glob("trial-*"))) < 2 and sweep.poll() is None \
+            and time.monotonic() < deadline:
         time.sleep(0.2)
     assert len(list(train_runs.glob("trial-*"))) == 2, (tmp_path / "first.log").read_text()[-3000:]
     sweep.send_signal(signal.SIGINT)
