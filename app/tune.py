@@ -30,6 +30,7 @@ from app.cli import (
 from app.storage import storage_uri
 from app.config import (
     CheckpointConfig,
+    DataConfig,
     FaultToleranceConfig,
     LoopConfig,
     OptimConfig,
@@ -198,25 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _param_space(args, train_storage: str) -> dict[str, Any]:
     from ray import tune
 
-    lr_range = _parse_list(args.lr_range, float, "--lr-range")
-    if len(lr_range) != 2 or not 0 < lr_range[0] < lr_range[1]:
-        raise UserError(f"--lr-range must be MIN,MAX with 0 < MIN < MAX, got {args.lr_range!r}")
-    lrs = _parse_list(args.lr, float, "--lr") if args.lr else None
-    batches = args.batches
-    # Validate one concrete config now: a bad value fails here, not in every trial.
-    template = TrainConfig(
-        task=args.task_reference,
-        data=args.data,
-        optim=OptimConfig(lr=(lrs or lr_range)[0], lr_decay=args.task.lr_decay),
-        loop=LoopConfig(epochs=args.epochs, global_batch_size=min(batches), seed=args.seed),
-        checkpoint=CheckpointConfig(num_to_keep=1),
-    )
-    for value in (lrs or []) + batches:
-        if value <= 0:
-            raise UserError(f"learning rates and batch sizes must be > 0, got {value}")
-    train = template.to_dict()
-    train["optim"]["lr"] = tune.grid_search(lrs) if lrs else tune.loguniform(*lr_range)
-    train["loop"]["global_batch_size"] = tune.grid_search(batches)
+    train = _template(args, args.data).to_dict()
+    train["optim"]["lr"] = tune.grid_search(args.lrs) if args.lrs else \
+        tune.loguniform(*args.lr_bounds)
+    train["loop"]["global_batch_size"] = tune.grid_search(args.batches)
     return {
         "train": train,
         "num_workers": tune.grid_search(args.world_sizes),
@@ -280,11 +266,33 @@ def _resolve_task(args) -> None:
         args.target = task.target
 
 
-def _check_batches(args) -> None:
-    """Each global batch has a sample for every worker of the largest world size.
+def _template(args, data: DataConfig) -> TrainConfig:
+    """One concrete config of the sweep (its first learning rate, its smallest batch)."""
+    return TrainConfig(
+        task=args.task_reference,
+        data=data,
+        optim=OptimConfig(lr=(args.lrs or args.lr_bounds)[0], lr_decay=args.task.lr_decay),
+        loop=LoopConfig(epochs=args.epochs, global_batch_size=min(args.batches), seed=args.seed),
+        checkpoint=CheckpointConfig(num_to_keep=1),
+    )
 
-    Sets ``args.batches``, the parsed list that the data check and the sweep's grid use."""
+
+def _check_grid(args) -> None:
+    """The sweep's learning rates and batch sizes, checked before the cluster starts: a bad
+    value fails once, now, not in every trial. Each global batch has a sample for every worker
+    of the largest world size.
+
+    Sets ``args.lr_bounds``, ``args.lrs`` (None without --lr) and ``args.batches``, the parsed
+    lists that the data check and the sweep's grid use."""
+    args.lr_bounds = _parse_list(args.lr_range, float, "--lr-range")
+    if len(args.lr_bounds) != 2 or not 0 < args.lr_bounds[0] < args.lr_bounds[1]:
+        raise UserError(f"--lr-range must be MIN,MAX with 0 < MIN < MAX, got {args.lr_range!r}")
+    args.lrs = _parse_list(args.lr, float, "--lr") if args.lr else None
     args.batches = batches = _parse_list(args.global_batch_size, int, "--global-batch-size")
+    for value in (args.lrs or []) + batches:
+        if value <= 0:
+            raise UserError(f"learning rates and batch sizes must be > 0, got {value}")
+    _template(args, DataConfig())  # validates the rest of the config
     if min(batches) < max(args.world_sizes):
         raise UserError(
             f"--global-batch-size {min(batches)} is smaller than the {max(args.world_sizes)} "
@@ -418,7 +426,7 @@ def _run(args, console: Console) -> int:
     storage.check_storage(storage_root)
     if not args.resume and not args.show:
         _resolve_task(args)
-        _check_batches(args)
+        _check_grid(args)
 
     from app import tracking
 
@@ -464,7 +472,7 @@ def _run(args, console: Console) -> int:
                     "it, --show to see it, or choose another --name"
                 )
             concurrency = _default_concurrency(args, args.max_concurrent_trials)
-            num_lrs = len(_parse_list(args.lr, float, "--lr")) if args.lr else 1
+            num_lrs = len(args.lrs) if args.lrs else 1
             num_batches = len(args.batches)
             plan = {
                 "num_trials": args.num_samples * num_lrs * num_batches * len(args.world_sizes),

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from localnet import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -175,12 +176,23 @@ def test_world_size_the_cluster_can_never_host_is_refused(tmp_path):
 
 
 def test_bad_sweep_flags_are_one_line_errors(tmp_path):
+    # Refused before the sweep connects: the address has nothing listening, so an error found
+    # after connecting would be about the address instead.
+    nowhere = f"127.0.0.1:{free_port()}"
     for args, expected in (
         (["--lr-range", "1,0.1"], "--lr-range must be MIN,MAX"),
+        (["--lr", "0.5,0"], "learning rates and batch sizes must be > 0, got 0.0"),
+        (["--num-workers", "1,2", "--global-batch-size", "64,1"],
+         "--global-batch-size 1 is smaller than the 2 workers"),
+        (["--epochs", "0"], "epochs"),
         (["--num-workers", "a,b"], "--num-workers must be a comma-separated list"),
         (["--show"], "--resume and --show need the --name"),
-        (["--name", "nothing", "--show"], "no sweep named 'nothing'"),
     ):
-        result = _tune(*args, "--dataset", "digits", cwd=tmp_path, timeout=60)
+        result = _tune(*args, "--dataset", "digits", cwd=tmp_path, timeout=60, address=nowhere)
         assert result.returncode == 2, (args, result.stderr)
-        assert expected in result.stderr and "Traceback" not in result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and expected in lines[0], (args, result.stderr)
+    # On a real cluster: the sweep's folder is looked for there.
+    result = _tune("--name", "nothing", "--show", cwd=tmp_path, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "no sweep named 'nothing'" in result.stderr and "Traceback" not in result.stderr
