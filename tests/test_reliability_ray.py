@@ -115,8 +115,16 @@ from ray.util.placement_group import placement_group
 group = placement_group([{{"CPU": 1}}] * 2)
 ray.get(group.ready())
 print("held", flush=True)
-sys.stdin.read()
+for _ in sys.stdin:  # each line asks how many placement groups wait to be placed
+    table = ray.util.placement_group_table().values()
+    print(sum(entry["state"] == "PENDING" for entry in table), flush=True)
 """], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def pending_groups() -> int:
+        holder.stdin.write("?\n")
+        holder.stdin.flush()
+        return int(holder.stdout.readline())
+
     try:
         assert holder.stdout.readline().strip() == "held"
         # Hung (a long timeout): SIGTERM still ends it within 10 s.
@@ -125,8 +133,9 @@ sys.stdin.read()
         hung = Background(["--address", cluster.address, "--dataset", "digits",
                            "--num-workers", "2", "--placement-timeout", "300", "--name", "hung"],
                           hung_dir)
-        time.sleep(10)  # connected, waiting for workers that cannot be placed
-        assert hung.process.poll() is None and "epoch  workers" not in hung.output()
+        # Connected, and its workers' placement group waits behind the holder's.
+        hung.wait_for(lambda: pending_groups() > 0, timeout_s=60)
+        assert "epoch  workers" not in hung.output()
         hung.process.send_signal(signal.SIGTERM)
         sent = time.monotonic()
         assert hung.process.wait(timeout=30) == 143, hung.output()
