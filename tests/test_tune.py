@@ -184,7 +184,7 @@ def test_bad_sweep_flags_are_one_line_errors(tmp_path):
         (["--lr", "0.5,0"], "learning rates and batch sizes must be > 0, got 0.0"),
         (["--num-workers", "1,2", "--global-batch-size", "64,1"],
          "--global-batch-size 1 is smaller than the 2 workers"),
-        (["--epochs", "0"], "epochs"),
+        (["--epochs", "0"], "epochs must be >= 1, got 0"),
         (["--num-workers", "a,b"], "--num-workers must be a comma-separated list"),
         (["--show"], "--resume and --show need the --name"),
     ):
