@@ -25,6 +25,7 @@ from app import checkpoint, cluster, lean, parquet, results, timeline, tracking
 from app.cluster import ClusterWatch
 from app.failures import AppFailurePolicy, FailureReporter, not_retryable_cause
 from app.placement import PlacementGroupReaper, reaper_first
+from app.progress import CONTROLLER_EVENT, AnnounceController
 from app.resize import RESIZE_SIGNAL_KEY, CheckpointFirstScalingPolicy, ResizeSignal
 from app.storage import join, run_exists
 from app.config import (
@@ -102,11 +103,19 @@ class AppTorchTrainer(TorchTrainer):
         controller_init_kwargs["callbacks"] = reaper_first(lean.needed_callbacks(
             controller_init_kwargs["callbacks"], has_datasets=bool(self.datasets)
         ))
+        if worker_config.get(PROGRESS_KEY) is not None:
+            controller_init_kwargs["callbacks"].append(
+                AnnounceController(worker_config[PROGRESS_KEY])
+            )
         return super()._initialize_and_run_controller(**controller_init_kwargs)
 
 
 _STOP = "stop"
 """Put on the progress queue to end the pump's wait at once (events are dicts)."""
+_ABORT_WAIT_S = 2.0
+"""How long the controller of a run the driver gives up on gets to abort it (stop its workers,
+run its callbacks' abort hooks) before it is killed; its fit thread then gets as long again to
+return."""
 
 
 class _ProgressPump:
@@ -116,6 +125,8 @@ class _ProgressPump:
         self.console = console
         self.last_alive = time.monotonic()
         """When rank 0 last sent anything (its heartbeat comes every few seconds)."""
+        self.controller: ray.actor.ActorHandle | None = None
+        """Ray Train's controller, once it has started (``AnnounceController``)."""
         # On the driver's node, like Ray Train's controller: a worker node may leave mid-run.
         self.queue = Queue(
             actor_options={
@@ -134,12 +145,32 @@ class _ProgressPump:
                 event = self.queue.get(timeout=0.5)
                 if event == _STOP:
                     return
-                self.last_alive = time.monotonic()
-                self.console.handle(event)
+                self._take(event)
             except queue_module.Empty:
                 continue
             except ray.exceptions.RayError:
                 return  # the queue actor is gone: the cluster is shutting down
+
+    def _take(self, event: dict[str, Any]) -> None:
+        if event.get("event") == CONTROLLER_EVENT:
+            self.controller = event["controller"]
+            return
+        self.last_alive = time.monotonic()
+        self.console.handle(event)
+
+    def abort_run(self) -> None:
+        """End the controller's run, so that fit() returns: an abort (its workers stop, the
+        placement group goes) within ``_ABORT_WAIT_S``, else a kill (its workers and placement
+        group die with it). A controller busy in a blocking wait, such as a worker group's
+        placement, takes an abort only when that wait ends."""
+        if self.controller is None:
+            return
+        try:
+            ray.get(self.controller.abort.remote(), timeout=_ABORT_WAIT_S)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(self.controller, no_restart=True)
+        except ray.exceptions.RayError:
+            pass  # it exits as it aborts (RayActorError)
 
     def __enter__(self) -> _ProgressPump:
         self._thread.start()
@@ -156,7 +187,7 @@ class _ProgressPump:
             while not self.queue.empty():
                 event = self.queue.get_nowait()
                 if event != _STOP:
-                    self.console.handle(event)
+                    self._take(event)
         except (queue_module.Empty, ray.exceptions.RayError):
             pass
         ray.kill(self.queue.actor)
@@ -171,7 +202,9 @@ def _resize_signal(workers: WorkersConfig) -> dict[str, Any]:
     return {RESIZE_SIGNAL_KEY: ResizeSignal.options(scheduling_strategy=here).remote()}
 
 
-def _fit_interruptibly(trainer: TorchTrainer, watch: Callable[[], None]) -> ray.train.Result:
+def _fit_interruptibly(
+    trainer: TorchTrainer, watch: Callable[[], None], abort: Callable[[], None]
+) -> ray.train.Result:
     """trainer.fit(), leaving Ctrl-C to raise KeyboardInterrupt in the main thread.
 
     In the main thread, fit() installs a SIGINT handler that aborts the controller and then exits
@@ -179,6 +212,11 @@ def _fit_interruptibly(trainer: TorchTrainer, watch: Callable[[], None]) -> ray.
     interrupt reaches us; the caller then shuts Ray down, and the checkpoints already reported
     stay as they are (Ray records a checkpoint only once it is fully persisted). ``watch`` is
     called twice a second and may raise to end the run the same way.
+
+    Either way ``abort`` ends the controller's run first, and fit() gets a few seconds to
+    return: a run given up on must not train on behind the caller's back, nor its thread
+    outlive the Ray session it calls into (in one process that connects again, such a thread
+    made Ray's core worker abort the process).
     """
     outcome: dict[str, Any] = {}
 
@@ -190,9 +228,14 @@ def _fit_interruptibly(trainer: TorchTrainer, watch: Callable[[], None]) -> ray.
 
     thread = threading.Thread(target=fit, name="fit", daemon=True)
     thread.start()
-    while thread.is_alive():
-        thread.join(timeout=0.5)
-        watch()  # may raise: the caller shuts Ray down, which ends the fit thread too
+    try:
+        while thread.is_alive():
+            thread.join(timeout=0.5)
+            watch()
+    except BaseException:
+        abort()
+        thread.join(_ABORT_WAIT_S)
+        raise
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]
@@ -221,7 +264,9 @@ def fit_watched(
         trainer = build(pump.queue)
         watch = ClusterWatch(workers, placement_timeout_s)
         try:
-            return _fit_interruptibly(trainer, lambda: watch.check(pump.last_alive))
+            return _fit_interruptibly(
+                trainer, lambda: watch.check(pump.last_alive), pump.abort_run
+            )
         except ray.train.TrainingFailedError as error:
             cause = not_retryable_cause(error)
             if isinstance(cause, UserError):

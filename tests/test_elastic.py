@@ -125,6 +125,12 @@ def _wait_until_committed(run_dir: Path, epoch: int, timeout_s: float = 30) -> N
     raise AssertionError(f"no checkpoint of epoch {epoch} recorded in {run_dir}")
 
 
+def _alive_actors(*class_names: str) -> list[str]:
+    """The actors of these classes that are alive, from the GCS."""
+    return [actor["ActorClassName"] for actor in ray._private.state.actors().values()
+            if actor["ActorClassName"] in class_names and actor["State"] == "ALIVE"]
+
+
 def _connect(cluster):
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
@@ -400,4 +406,12 @@ def test_unattainable_minimum_fails_within_the_placement_timeout(cluster, tmp_pa
     with pytest.raises(UserError, match="fewer than the minimum 2 worker"):
         run.result(timeout_s=60)
     assert time.monotonic() - removed_at < 4 + 10
+    # The run given up on is over, not left training behind the caller's back: its fit thread
+    # returned (one left calling into Ray aborted this process once it connected again) and
+    # Ray Train's controller and workers are gone.
+    assert "fit" not in {thread.name for thread in threading.enumerate()}
+    deadline = time.monotonic() + 10
+    while _alive_actors("TrainController", "RayTrainWorker") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive_actors("TrainController", "RayTrainWorker")
     assert (tmp_path / "stuck" / "checkpoint_epoch_0001" / "state.pt").exists()
