@@ -36,6 +36,12 @@ from app.console import Console
 
 pytestmark = pytest.mark.integration
 
+RECOVERY_BOUND_S = 20
+"""Seconds from a lost worker or node to the new group's first step. The goal is ~15 s
+(``bench/recovery.py`` measures it: 10-12 s on this 2-core machine when idle); a loaded CI host
+has taken 16 s. Most of it is two fresh worker processes importing Ray and torch; what the
+bound catches is a restart that waits on a timeout."""
+
 
 @pytest.fixture
 def cluster():
@@ -181,7 +187,8 @@ def test_group_shrinks_when_a_node_leaves(cluster, tmp_path):
     summary = run.result()
 
     assert shrunk["world_size"] == 1 and shrunk["resumed_at_epoch"] >= 1
-    assert shrunk["time"] - removed_at < 15, "recovery took longer than 15 s"
+    assert shrunk["time"] - removed_at < RECOVERY_BOUND_S, \
+        f"recovery took longer than {RECOVERY_BOUND_S} s"
     _assert_each_epoch_once(summary.history, 10)
     sizes = [row["world_size"] for row in summary.history]
     assert 2 in sizes and sizes[-1] == 1
@@ -220,7 +227,8 @@ def test_killed_worker_recovers_to_the_undisturbed_accuracy(cluster, tmp_path, m
 
     # Resumed inside epoch 2 from a step checkpoint (every 10 global steps; epoch 1 had 63).
     assert restarted["resumed_at_epoch"] == 1 and restarted["resumed_at_epoch_step"] > 0
-    assert restarted["time"] - killed_at < 15, "recovery took longer than 15 s"
+    assert restarted["time"] - killed_at < RECOVERY_BOUND_S, \
+        f"recovery took longer than {RECOVERY_BOUND_S} s"
     _assert_each_epoch_once(summary.history, 3)
     gap = abs(summary.history[-1]["val_accuracy"] - undisturbed.history[-1]["val_accuracy"])
     assert gap <= 0.005, (summary.history, undisturbed.history)
