@@ -103,6 +103,7 @@ class AppTorchTrainer(TorchTrainer):
         controller_init_kwargs["callbacks"] = reaper_first(lean.needed_callbacks(
             controller_init_kwargs["callbacks"], has_datasets=bool(self.datasets)
         ))
+        controller_init_kwargs["callbacks"].append(lean.ImportTorchEarly())
         if worker_config.get(PROGRESS_KEY) is not None:
             controller_init_kwargs["callbacks"].append(
                 AnnounceController(worker_config[PROGRESS_KEY])

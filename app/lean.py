@@ -21,12 +21,16 @@ have nothing to do:
   CPUs from it, so those keep it), and the preemption watcher (no node of it is ever drained;
   ``app.cluster`` switches it off in the embedded cluster's environment, as Ray Train's
   controller reads it from there).
+
+And one thing added: each worker imports torch and its compiler from a thread while Ray Train
+sets it up (``ImportTorchEarly``), in the waits of that set-up instead of after it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,6 +47,7 @@ from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.callbacks.placement_group_callback import (
     PlacementGroupCleanerCallback,
 )
+from ray.train.v2._internal.execution.callback import WorkerCallback
 from ray.train.v2._internal.execution.scaling_policy.fixed import FixedScalingPolicy
 from ray.train.v2._internal.util import TrainingFramework
 
@@ -55,6 +60,27 @@ def needed_callbacks(callbacks: Sequence[Any], *, has_datasets: bool) -> list[An
     if not has_datasets:
         unneeded += (DatasetsCallback,)
     return [callback for callback in callbacks if not isinstance(callback, unneeded)]
+
+
+class ImportTorchEarly(WorkerCallback):
+    """Runs in each new worker as Ray Train sets up its context: imports torch, and the
+    ``torch._dynamo`` that the first optimizer built imports (``torch.optim`` wraps its methods
+    in ``torch._disable_dynamo``, which imports it on first use: ~2 s of CPU), in a thread.
+
+    A worker otherwise imports them on the way to its first step, one after the other, while
+    it also waits on its peers (the process group's rendezvous) and on the controller (the
+    calls that set it up): in those waits the imports run instead. Every start pays it, and
+    a restart after a lost worker is one."""
+
+    def after_init_train_context(self) -> None:
+        threading.Thread(target=_import_torch, name="import-torch", daemon=True).start()
+
+
+def _import_torch() -> None:
+    try:
+        import torch._dynamo  # noqa: F401  (imports torch first)
+    except Exception:  # noqa: BLE001 - the worker's own import then reports what is wrong
+        pass
 
 
 class LocalFixedScalingPolicy(FixedScalingPolicy):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import ray
@@ -18,6 +19,8 @@ from app.config import DataConfig, LoopConfig, RunConfig, TrainConfig, WorkersCo
 from app.console import Console
 
 pytestmark = pytest.mark.integration
+
+RECORDING_TASK = f"{Path(__file__).parent / 'lean_task.py'}:task"
 
 
 class HeavyModulesInController(ray.train.UserCallback):
@@ -42,7 +45,8 @@ def test_an_embedded_run_starts_only_the_actors_it_needs(tmp_path):
         # Ray Train's preemption watcher.
         assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in os.environ
         summary = launcher.launch(
-            TrainConfig(data=DataConfig(dataset="digits"), loop=LoopConfig(epochs=1)),
+            TrainConfig(data=DataConfig(dataset="digits"), loop=LoopConfig(epochs=1),
+                        task=RECORDING_TASK),
             WorkersConfig(min_workers=2, max_workers=2),
             RunConfig("lean", str(tmp_path / "runs")), console=Console(io.StringIO()),
             callbacks=[HeavyModulesInController()],
@@ -53,6 +57,10 @@ def test_an_embedded_run_starts_only_the_actors_it_needs(tmp_path):
         started = sorted(actor["ActorClassName"] for actor in ray._private.state.actors().values())
         groups = ray.util.placement_group_table().values()
         head_processes = set(ray._private.worker._global_node.all_processes)
+        dynamo_at_build = [
+            internal_kv._internal_kv_get(f"dynamo-at-build-{rank}".encode(), namespace="test-lean")
+            for rank in range(2)
+        ]
     finally:
         cluster.disconnect()
     assert [row["epoch"] for row in summary.history] == [1]
@@ -65,6 +73,9 @@ def test_an_embedded_run_starts_only_the_actors_it_needs(tmp_path):
     assert [group["state"] for group in groups] == ["REMOVED"]
     # The controller unpickled its torch config and set up the process group without torch.
     assert controller_modules == b"", controller_modules
+    # Each worker had torch's compiler imported (from a thread, while Ray Train set it up) before
+    # it built its model; its optimiser would import it otherwise.
+    assert dynamo_at_build == [b"True", b"True"], dynamo_at_build
     # The head started no API server, autoscaler monitor nor (without --verbose) log monitor.
     assert head_processes.isdisjoint({
         ray_constants.PROCESS_TYPE_DASHBOARD, ray_constants.PROCESS_TYPE_MONITOR,
