@@ -250,8 +250,13 @@ def test_killed_worker_recovers_to_the_undisturbed_accuracy(cluster, tmp_path, m
     assert "restart" in rows[1].split(",")[-1], rows  # the kill was in epoch 2
 
 
-def _latest_checkpoint(run_dir: Path) -> dict:
-    snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+def _latest_checkpoint(run_dir: Path) -> dict | None:
+    """The latest checkpoint in Ray Train's snapshot of the run. None before there is one, and
+    while the controller rewrites the file (in place: a read can see it part-written)."""
+    try:
+        snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
     return snapshot["latest_checkpoint_result"]
 
 
@@ -275,15 +280,16 @@ def test_killed_driver_rerun_resumes_at_the_right_epoch_and_step(cluster, tmp_pa
     reader.start()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        if (run_dir / "checkpoint_manager_snapshot.json").exists():
-            latest = _latest_checkpoint(run_dir)
-            if latest and latest["metrics"]["kind"] == "partial" and latest["metrics"]["epoch"] >= 1:
-                break
+        latest = _latest_checkpoint(run_dir)
+        if latest and latest["metrics"]["kind"] == "partial" and latest["metrics"]["epoch"] >= 1:
+            break
         time.sleep(0.1)
     driver.send_signal(signal.SIGKILL)
     driver.wait(timeout=30)
     reader.join(timeout=10)
-    latest = _latest_checkpoint(run_dir)["metrics"]
+    latest = _latest_checkpoint(run_dir)
+    assert latest is not None, "the killed run left no readable checkpoint snapshot"
+    latest = latest["metrics"]
     epoch, epoch_step = latest["epoch"], latest.get("epoch_step", 0)
     # On the terminal: the live line, rewritten in place inside an epoch, then the rows.
     shown = screen.decode(errors="replace")
