@@ -27,7 +27,7 @@ from app.failures import AppFailurePolicy, FailureReporter, not_retryable_cause
 from app.placement import PlacementGroupReaper, reaper_first
 from app.progress import CONTROLLER_EVENT, AnnounceController
 from app.resize import RESIZE_SIGNAL_KEY, CheckpointFirstScalingPolicy, ResizeSignal
-from app.storage import join, run_exists
+from app.storage import join, run_exists, set_aside_unreadable_snapshot
 from app.config import (
     FaultToleranceConfig,
     RunConfig,
@@ -37,7 +37,7 @@ from app.config import (
 )
 from app.console import Console
 from app.parquet import Manifest
-from app.worker import PARQUET_KEY, PROGRESS_KEY, train_loop_per_worker
+from app.worker import PARQUET_KEY, PROGRESS_KEY, RESUME_KEY, train_loop_per_worker
 
 
 class RunFailed(RuntimeError):
@@ -499,8 +499,10 @@ def launch(
     """
     if fault_tolerance is None:
         fault_tolerance = FaultToleranceConfig(max_failures=3 if workers.is_elastic else 0)
+    resume_from = {}
     if run_exists(run):
         console.line(f"Run {run.name!r} exists in {run.storage_path}: resuming it.")
+        resume_from = _recover_snapshot(run, console)
     datasets, extras = data_inputs(train_config, workers, manifest, console, verbose)
     if verbose:
         console.launched = time.time()
@@ -515,7 +517,8 @@ def launch(
             lambda progress: make_trainer(
                 train_config, workers, run, fault_tolerance=fault_tolerance, verbose=verbose,
                 callbacks=callbacks,
-                extra_worker_config={PROGRESS_KEY: progress, **extras, **_resize_signal(workers)},
+                extra_worker_config={PROGRESS_KEY: progress, **extras, **resume_from,
+                                     **_resize_signal(workers)},
                 datasets=datasets,
             ),
             workers, fault_tolerance.placement_timeout_s, console,
@@ -523,6 +526,20 @@ def launch(
         summary = summarise(result, tracked)
     tracked.finish("finished", summary)
     return dataclasses.replace(summary, mlflow_link=tracked.mlflow_link())
+
+
+def _recover_snapshot(run: RunConfig, console: Console) -> dict[str, str]:
+    """The worker-config entry that resumes the run from its newest checkpoint when Ray Train's
+    record of its checkpoints cannot be read (``storage.set_aside_unreadable_snapshot``)."""
+    recovered = set_aside_unreadable_snapshot(run)
+    if recovered is None:
+        return {}
+    kept_as, newest = recovered
+    where = f"resuming from its newest checkpoint, {newest}" if newest \
+        else "the run has no checkpoint: starting it over"
+    console.line(f"Ray Train's record of the run's checkpoints cannot be read (cut short: its "
+                 f"driver killed while writing it?); kept as {kept_as}, {where}.")
+    return {RESUME_KEY: newest} if newest else {}
 
 
 def _import_plotting() -> None:

@@ -85,6 +85,34 @@ def run_exists(run: RunConfig) -> bool:
     return filesystem.get_file_info(snapshot).type == pyarrow.fs.FileType.File
 
 
+UNREADABLE_SUFFIX = ".unreadable"
+
+
+def set_aside_unreadable_snapshot(run: RunConfig) -> tuple[str, str | None] | None:
+    """If Ray Train's record of the run's checkpoints (its snapshot) cannot be read: renames it
+    to ``<name>.unreadable`` and returns that new name and the URI of the run's newest
+    checkpoint folder to resume from (None: it has none). None when the record reads.
+
+    Ray rewrites the snapshot in place after every checkpoint, so a driver killed during the
+    write (or a full disk) leaves it empty or cut short; Ray then refuses to start the run
+    (``CheckpointManagerInitializationError``) although every checkpoint is still there."""
+    from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
+
+    filesystem, path = pyarrow.fs.FileSystem.from_uri(run.storage_path)
+    folder = join(path, run.name)
+    snapshot = join(folder, CHECKPOINT_MANAGER_SNAPSHOT_FILENAME)
+    try:
+        with filesystem.open_input_stream(snapshot) as stream:
+            json.loads(stream.read())
+        return None
+    except ValueError:  # not JSON (UnicodeDecodeError is one too)
+        pass
+    kept_as = snapshot + UNREADABLE_SUFFIX
+    filesystem.move(snapshot, kept_as)
+    newest = checkpoint_folders(filesystem, folder)
+    return kept_as, join(run.storage_path, run.name, newest[0]) if newest else None
+
+
 def checkpoint_folders(filesystem: pyarrow.fs.FileSystem, run_folder: str) -> list[str]:
     """The names of a run folder's checkpoint folders, newest first (``checkpoint.age_order``:
     a mid-epoch checkpoint comes before the end of its epoch)."""

@@ -30,6 +30,9 @@ PROGRESS_KEY = "progress_queue"
 """Optional key of the worker config: a ray.util.queue.Queue that rank 0 sends progress to."""
 PARQUET_KEY = "parquet"
 """Key of the worker config holding the Parquet manifest's statistics (``Manifest.to_dict``)."""
+RESUME_KEY = "resume_from"
+"""Optional key of the worker config: the URI of a checkpoint to resume from while Ray Train
+has none registered (its record of the run's checkpoints was unreadable: ``app.launcher``)."""
 
 
 HEARTBEAT_S = 2.0
@@ -79,14 +82,18 @@ def _older_checkpoints(latest: ray.train.Checkpoint) -> list[ray.train.Checkpoin
             if checkpoint.age_order(name) < latest_order]
 
 
-def _restore(progress, rank: int, settings: dict[str, Any]) -> checkpoint.TrainingState | None:
+def _restore(progress, rank: int, settings: dict[str, Any],
+             resume_from: str | None = None) -> checkpoint.TrainingState | None:
     """The latest checkpoint's state; if it cannot be read, the newest older one that can.
 
     A corrupt latest checkpoint (a truncated file, a missing part) would otherwise fail every
     restart the same way until the retries run out. A checkpoint of other ``settings`` (another
-    task, batch, learning rate...) is refused, naming each difference.
+    task, batch, learning rate...) is refused, naming each difference. ``resume_from``: the
+    checkpoint to start from while Ray Train has none registered (``RESUME_KEY``).
     """
     latest = ray.train.get_checkpoint()
+    if latest is None and resume_from:
+        latest = ray.train.Checkpoint(resume_from)
     if latest is None:
         return None
     try:
@@ -163,7 +170,7 @@ def _train(config: TrainConfig, worker_config: dict[str, Any], progress,
         config, task.name, dataset_name, optimizer=type(optimizer).__name__,
         parameters=checkpoint.parameter_shapes(model),
     )
-    state = _restore(progress, rank, settings)
+    state = _restore(progress, rank, settings, worker_config.get(RESUME_KEY))
     model = ray.train.torch.prepare_model(prepare_for_speed(model, config.loop, device))
     trainer = Trainer(config, task, model, train_data, device, rank, world_size, state)
     trainer.state.settings = settings

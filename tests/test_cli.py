@@ -163,3 +163,22 @@ def test_offline_default_falls_back_to_bundled_digits_and_ctrl_c_keeps_checkpoin
     assert result.returncode == 0, result.stderr
     assert f"Resumed from the checkpoint after epoch {done} of {done + 1}" in result.stdout, result.stdout
     assert (run_dir / "metrics.csv").read_text().count("\n") == done + 2
+
+    # Ray Train's record of the checkpoints cut short (as by a driver killed while Ray rewrote
+    # it): the next rerun keeps it aside and resumes from the newest checkpoint all the same.
+    snapshot = run_dir / "checkpoint_manager_snapshot.json"
+    cut_short = snapshot.read_bytes()[:100]
+    snapshot.write_bytes(cut_short)
+    result = subprocess.run(
+        command[:5] + ["--epochs", str(done + 2)] + command[7:],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Ray Train's record of the run's checkpoints cannot be read" in result.stdout
+    assert f"resuming from its newest checkpoint, {run_dir}/checkpoint_epoch_{done + 1:04d}." \
+        in result.stdout, result.stdout
+    assert f"Resumed from the checkpoint after epoch {done + 1} of {done + 2}" in result.stdout
+    rows = (run_dir / "metrics.csv").read_text().splitlines()[1:]
+    assert [int(row.split(",")[0]) for row in rows] == list(range(1, done + 3))
+    assert (run_dir / "checkpoint_manager_snapshot.json.unreadable").read_bytes() == cut_short
+    assert _committed_epoch(run_dir) == done + 2, "Ray Train records the run's checkpoints again"
