@@ -27,7 +27,7 @@ from app.failures import AppFailurePolicy, FailureReporter, not_retryable_cause
 from app.placement import PlacementGroupReaper, reaper_first
 from app.progress import CONTROLLER_EVENT, AnnounceController
 from app.resize import RESIZE_SIGNAL_KEY, CheckpointFirstScalingPolicy, ResizeSignal
-from app.storage import join, run_exists, set_aside_unreadable_snapshot
+from app.storage import Snapshot, join, set_aside_snapshot, snapshot_state
 from app.config import (
     FaultToleranceConfig,
     RunConfig,
@@ -500,8 +500,10 @@ def launch(
     if fault_tolerance is None:
         fault_tolerance = FaultToleranceConfig(max_failures=3 if workers.is_elastic else 0)
     resume_from = {}
-    if run_exists(run):
+    state = snapshot_state(run)
+    if state is not Snapshot.MISSING:
         console.line(f"Run {run.name!r} exists in {run.storage_path}: resuming it.")
+    if state is Snapshot.UNREADABLE:
         resume_from = _recover_snapshot(run, console)
     datasets, extras = data_inputs(train_config, workers, manifest, console, verbose)
     if verbose:
@@ -529,12 +531,10 @@ def launch(
 
 
 def _recover_snapshot(run: RunConfig, console: Console) -> dict[str, str]:
-    """The worker-config entry that resumes the run from its newest checkpoint when Ray Train's
-    record of its checkpoints cannot be read (``storage.set_aside_unreadable_snapshot``)."""
-    recovered = set_aside_unreadable_snapshot(run)
-    if recovered is None:
-        return {}
-    kept_as, newest = recovered
+    """Sets aside Ray Train's unreadable record of the run's checkpoints
+    (``storage.set_aside_snapshot``); returns the worker-config entry that resumes the run from
+    its newest checkpoint instead."""
+    kept_as, newest = set_aside_snapshot(run)
     where = f"resuming from its newest checkpoint, {newest}" if newest \
         else "the run has no checkpoint: starting it over"
     console.line(f"Ray Train's record of the run's checkpoints cannot be read (cut short: its "

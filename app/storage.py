@@ -6,6 +6,7 @@ folder and ``s3://bucket/prefix`` behave alike.
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import re
@@ -77,36 +78,49 @@ def check_storage(storage_path: str) -> None:
         raise UserError(f"cannot write to storage path {storage_path}: {error}") from None
 
 
-def run_exists(run: RunConfig) -> bool:
+def _snapshot_location(run: RunConfig) -> tuple[pyarrow.fs.FileSystem, str, str]:
+    """The filesystem, the run's folder and Ray Train's record of its checkpoints (the
+    snapshot) in that folder."""
     from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
 
     filesystem, path = pyarrow.fs.FileSystem.from_uri(run.storage_path)
-    snapshot = join(path, run.name, CHECKPOINT_MANAGER_SNAPSHOT_FILENAME)
-    return filesystem.get_file_info(snapshot).type == pyarrow.fs.FileType.File
+    folder = join(path, run.name)
+    return filesystem, folder, join(folder, CHECKPOINT_MANAGER_SNAPSHOT_FILENAME)
+
+
+class Snapshot(enum.Enum):
+    """What Ray Train's record of a run's checkpoints says about the run."""
+
+    MISSING = "missing"  # a new run
+    READABLE = "readable"  # the run exists; Ray resumes it
+    UNREADABLE = "unreadable"  # the run exists, but Ray would refuse to start it
+
+
+def snapshot_state(run: RunConfig) -> Snapshot:
+    """Whether the run exists and Ray Train can read its record (one read of the storage).
+
+    Ray rewrites the snapshot in place after every checkpoint, so a driver killed during the
+    write (or a full disk) leaves it empty or cut short; Ray then refuses to start the run
+    (``CheckpointManagerInitializationError``) although every checkpoint is still there."""
+    filesystem, _, snapshot = _snapshot_location(run)
+    try:
+        with filesystem.open_input_stream(snapshot) as stream:
+            json.loads(stream.read())
+    except FileNotFoundError:
+        return Snapshot.MISSING
+    except ValueError:  # not JSON (UnicodeDecodeError is one too)
+        return Snapshot.UNREADABLE
+    return Snapshot.READABLE
 
 
 UNREADABLE_SUFFIX = ".unreadable"
 
 
-def set_aside_unreadable_snapshot(run: RunConfig) -> tuple[str, str | None] | None:
-    """If Ray Train's record of the run's checkpoints (its snapshot) cannot be read: renames it
-    to ``<name>.unreadable`` and returns that new name and the URI of the run's newest
-    checkpoint folder to resume from (None: it has none). None when the record reads.
-
-    Ray rewrites the snapshot in place after every checkpoint, so a driver killed during the
-    write (or a full disk) leaves it empty or cut short; Ray then refuses to start the run
-    (``CheckpointManagerInitializationError``) although every checkpoint is still there."""
-    from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
-
-    filesystem, path = pyarrow.fs.FileSystem.from_uri(run.storage_path)
-    folder = join(path, run.name)
-    snapshot = join(folder, CHECKPOINT_MANAGER_SNAPSHOT_FILENAME)
-    try:
-        with filesystem.open_input_stream(snapshot) as stream:
-            json.loads(stream.read())
-        return None
-    except ValueError:  # not JSON (UnicodeDecodeError is one too)
-        pass
+def set_aside_snapshot(run: RunConfig) -> tuple[str, str | None]:
+    """Renames the run's unreadable snapshot to ``<name>.unreadable`` (kept for a person to
+    look at, out of Ray's way) and returns that new name and the URI of the run's newest
+    checkpoint folder to resume from (None: it has none)."""
+    filesystem, folder, snapshot = _snapshot_location(run)
     kept_as = snapshot + UNREADABLE_SUFFIX
     filesystem.move(snapshot, kept_as)
     newest = checkpoint_folders(filesystem, folder)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from app import data
+from app.storage import UNREADABLE_SUFFIX
 
 pytestmark = pytest.mark.integration
 
@@ -180,5 +181,5 @@ def test_offline_default_falls_back_to_bundled_digits_and_ctrl_c_keeps_checkpoin
     assert f"Resumed from the checkpoint after epoch {done + 1} of {done + 2}" in result.stdout
     rows = (run_dir / "metrics.csv").read_text().splitlines()[1:]
     assert [int(row.split(",")[0]) for row in rows] == list(range(1, done + 3))
-    assert (run_dir / "checkpoint_manager_snapshot.json.unreadable").read_bytes() == cut_short
+    assert snapshot.with_name(snapshot.name + UNREADABLE_SUFFIX).read_bytes() == cut_short
     assert _committed_epoch(run_dir) == done + 2, "Ray Train records the run's checkpoints again"

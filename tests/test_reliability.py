@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,7 +33,14 @@ from app.config import (
 from app.failures import AppFailurePolicy, describe_failure, not_retryable_cause
 from app.loop import Trainer
 from app.builtin_tasks import mnist_convnet
-from app.storage import RunLock, storage_uri
+from app.storage import (
+    UNREADABLE_SUFFIX,
+    RunLock,
+    Snapshot,
+    set_aside_snapshot,
+    snapshot_state,
+    storage_uri,
+)
 from test_loop import _splits
 
 
@@ -151,6 +159,25 @@ def test_unreadable_checkpoints_say_why(tmp_path):
     torch.save(values, newer / checkpoint.STATE_FILE)
     with pytest.raises(checkpoint.UnreadableCheckpoint, match="newer version"):
         checkpoint.load(newer)
+
+
+def test_a_cut_short_record_of_checkpoints_is_set_aside_for_the_newest_checkpoint(tmp_path):
+    run = RunConfig("run", str(tmp_path))
+    assert snapshot_state(run) is Snapshot.MISSING
+    folder = tmp_path / "run"
+    for name in ("checkpoint_epoch_0001", "checkpoint_epoch_0002_step_000010", "logs"):
+        (folder / name).mkdir(parents=True)
+    snapshot = folder / "checkpoint_manager_snapshot.json"
+    snapshot.write_text('{"checkpoints": []}')
+    assert snapshot_state(run) is Snapshot.READABLE
+    for cut_short in (b"", b'{"checkpoints": [{"pa', b"\xff\xfe"):
+        snapshot.write_bytes(cut_short)
+        assert snapshot_state(run) is Snapshot.UNREADABLE
+    kept_as, newest = set_aside_snapshot(run)
+    assert kept_as == f"{snapshot}{UNREADABLE_SUFFIX}" and not snapshot.exists()
+    assert Path(kept_as).read_bytes() == b"\xff\xfe"
+    assert newest == f"{tmp_path}/run/checkpoint_epoch_0002_step_000010"
+    assert snapshot_state(run) is Snapshot.MISSING
 
 
 def test_checkpoints_sort_by_age_not_by_name():
