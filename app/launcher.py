@@ -504,7 +504,7 @@ def launch(
     if state is not Snapshot.MISSING:
         console.line(f"Run {run.name!r} exists in {run.storage_path}: resuming it.")
     if state is Snapshot.UNREADABLE:
-        resume_from = _recover_snapshot(run, console)
+        resume_from = recover_snapshot(run, console.line)
     datasets, extras = data_inputs(train_config, workers, manifest, console, verbose)
     if verbose:
         console.launched = time.time()
@@ -530,15 +530,15 @@ def launch(
     return dataclasses.replace(summary, mlflow_link=tracked.mlflow_link())
 
 
-def _recover_snapshot(run: RunConfig, console: Console) -> dict[str, str]:
+def recover_snapshot(run: RunConfig, say: Callable[[str], None]) -> dict[str, str]:
     """Sets aside Ray Train's unreadable record of the run's checkpoints
-    (``storage.set_aside_snapshot``); returns the worker-config entry that resumes the run from
-    its newest checkpoint instead."""
+    (``storage.set_aside_snapshot``) and ``say``s so in one line; returns the worker-config entry
+    that resumes the run from its newest checkpoint instead."""
     kept_as, newest = set_aside_snapshot(run)
     where = f"resuming from its newest checkpoint, {newest}" if newest \
         else "the run has no checkpoint: starting it over"
-    console.line(f"Ray Train's record of the run's checkpoints cannot be read (cut short: its "
-                 f"driver killed while writing it?); kept as {kept_as}, {where}.")
+    say(f"Ray Train's record of the run's checkpoints cannot be read (cut short: its driver "
+        f"killed while writing it?); kept as {kept_as}, {where}.")
     return {RESUME_KEY: newest} if newest else {}
 
 

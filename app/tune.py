@@ -68,7 +68,7 @@ def run_trial(config: dict[str, Any]) -> None:
     """One trial: a whole distributed training run with the trial's world size and config."""
     import ray.tune
 
-    from app import launcher, tracking
+    from app import launcher, storage, tracking
     from app.worker import PROGRESS_KEY
 
     trial_id = ray.tune.get_context().get_trial_id()
@@ -84,12 +84,17 @@ def run_trial(config: dict[str, Any]) -> None:
     run = RunConfig(name=trial_run_name(trial_id), storage_path=config["train_storage"])
     mlflow = tracking.MlflowSettings(**config["mlflow"]) if config.get("mlflow") else None
     console = Console(io.StringIO(), live=False)
+
+    def warn(message: str) -> None:  # in the trial's log, which Ray shows on the sweep's console
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+    # A resumed sweep's trial whose driver was killed while Ray rewrote its record.
+    resume_from = launcher.recover_snapshot(run, warn) \
+        if storage.snapshot_state(run) is storage.Snapshot.UNREADABLE else {}
     tracked = launcher.RunTracking(
         run, console, info=launcher.run_info(train_config),
         params={**launcher.run_params(train_config, workers), "trial_id": trial_id},
-        mlflow=mlflow, started=time.time(),
-        # In the trial's log, which Ray shows on the sweep's console too.
-        warn=lambda message: print(f"warning: {message}", file=sys.stderr, flush=True),
+        mlflow=mlflow, started=time.time(), warn=warn,
     )
     with tracked.ending():
         # The same watchdog as a single run: a trial whose workers cannot be placed fails with
@@ -100,7 +105,7 @@ def run_trial(config: dict[str, Any]) -> None:
                 fault_tolerance=fault_tolerance,
                 verbose=False,
                 callbacks=[_epoch_reports_to_tune()],
-                extra_worker_config={PROGRESS_KEY: progress},
+                extra_worker_config={PROGRESS_KEY: progress, **resume_from},
                 guard_placement_groups=True,
             ),
             workers, fault_tolerance.placement_timeout_s, console,
