@@ -111,7 +111,7 @@ def time_to(rows: list[dict], target: float) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--mnist-dir", default=str(REPO.parent / "shared/datasets/mnist"),
                         help="folder with MNIST/raw/t10k-*-ubyte.gz (the real 10,000 images)")
     parser.add_argument("--cifar-dir", default=None,

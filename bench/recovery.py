@@ -11,13 +11,23 @@ registered checkpoint are redone (at most the checkpoint interval, 10 steps here
 sees only a lower bound of them.
 
     python bench/recovery.py --data-dir ../shared/datasets/mnist
+        [--baseline-checkout ../old [--rounds 3]]
+
+``--baseline-checkout``: another checkout of the app (an earlier release, from ``git worktree
+add``). Instead of the table above, the worker-kill scenario runs ``--rounds`` times for each
+checkout, interleaved in one invocation (this machine drifts 10-20 % between runs), each in its
+own process that imports that checkout's ``app``; it prints each recovery and the medians' ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
+import os
 import signal
+import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -32,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from throughput import prepare  # noqa: E402
 
+import app  # noqa: E402  (the checkout's on PYTHONPATH when a baseline run set it)
 from app import launcher  # noqa: E402
 from app.cluster import FAST_RECOVERY_SYSTEM_CONFIG  # noqa: E402
 from app.config import (  # noqa: E402
@@ -132,39 +143,109 @@ def _kill_a_worker(cluster, nodes):
     victims[-1].send_signal(signal.SIGKILL)
 
 
+RESULT = "recovery result: "
+"""How a ``--kill-only`` run's line of JSON starts, among what else the run prints."""
+
+
+def _mnist(data_dir: Path, epochs: int) -> TrainConfig:
+    return TrainConfig(
+        data=DataConfig(dataset="mnist", data_dir=str(data_dir)),
+        loop=LoopConfig(epochs=epochs),
+        checkpoint=CheckpointConfig(every_steps=10),
+    )
+
+
+_FIXED_TWO = WorkersConfig(min_workers=2, max_workers=2)
+
+
+def _first_epoch(event) -> bool:
+    return event["event"] == "epoch" and event["epoch"] == 1
+
+
+def _kill_scenario(mnist: TrainConfig, storage: str):
+    return scenario([2], _FIXED_TWO, mnist, storage, "worker-kill", _kill_a_worker,
+                    _first_epoch, delay_s=2.0)  # mid-epoch
+
+
+def kill_only(args) -> None:
+    """One worker-kill scenario; its recovery seconds as a line of JSON."""
+    with tempfile.TemporaryDirectory() as scratch:
+        data_dir = Path(scratch) / "data"
+        prepare(args.data_dir, data_dir, 8_000)
+        seconds, _, _, steps = _kill_scenario(_mnist(data_dir, args.epochs),
+                                              str(Path(scratch) / "runs"))
+    print(RESULT + json.dumps({"seconds": seconds, "steps": steps,
+                               "app": str(Path(app.__file__).parent)}), flush=True)
+
+
+def against_baseline(args) -> None:
+    """The worker-kill recovery of this checkout and ``--baseline-checkout``, interleaved."""
+    checkouts = {"this checkout": Path(__file__).resolve().parent.parent,
+                 "baseline": args.baseline_checkout.resolve()}
+    if not (checkouts["baseline"] / "app" / "launcher.py").is_file():
+        raise SystemExit(f"--baseline-checkout {args.baseline_checkout}: no app/launcher.py "
+                         f"there; give a checkout of this repository (git worktree add)")
+    seconds: dict[str, list[float]] = {label: [] for label in checkouts}
+    for round_ in range(1, args.rounds + 1):
+        for label, checkout in checkouts.items():
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(checkout), os.environ.get("PYTHONPATH")]))}
+            done = subprocess.run(
+                [sys.executable, __file__, "--kill-only", "--data-dir",
+                 str(Path(args.data_dir).resolve()), "--epochs", str(args.epochs)],
+                capture_output=True, text=True, env=env, cwd=checkout, timeout=900,
+            )
+            lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
+            if done.returncode != 0 or not lines:
+                raise SystemExit(f"{label}'s kill scenario failed (exit {done.returncode}):\n"
+                                 f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+            result = json.loads(lines[-1][len(RESULT):])
+            if Path(result["app"]) != checkout / "app":
+                raise SystemExit(f"{label}'s run imported the app of {result['app']}, "
+                                 f"not {checkout / 'app'}")
+            seconds[label].append(result["seconds"])
+            print(f"round {round_}, {label} ({checkout}): recovery after kill -9 of a worker "
+                  f"{result['seconds']:.1f} s, resumed at step {result['steps']['resumed']}",
+                  flush=True)
+    ours, theirs = (statistics.median(seconds[label]) for label in checkouts)
+    print(f"recovery after kill -9 of a worker, median of {args.rounds}: {ours:.1f} s against "
+          f"the baseline's {theirs:.1f} s ({ours / theirs:.2f}x)")
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--data-dir", default="../shared/datasets/mnist")
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--baseline-checkout", type=Path,
+                        help="another checkout of the app: compare the worker-kill recovery "
+                             "of both, interleaved")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="with --baseline-checkout: kill scenarios per checkout")
+    parser.add_argument("--kill-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.kill_only:
+        return kill_only(args)
+    if args.baseline_checkout:
+        return against_baseline(args)
 
     with tempfile.TemporaryDirectory() as scratch:
         data_dir = Path(scratch) / "data"
         prepare(args.data_dir, data_dir, 8_000)
         storage = str(Path(scratch) / "runs")
-        mnist = TrainConfig(
-            data=DataConfig(dataset="mnist", data_dir=str(data_dir)),
-            loop=LoopConfig(epochs=args.epochs),
-            checkpoint=CheckpointConfig(every_steps=10),
-        )
-        fixed_two = WorkersConfig(min_workers=2, max_workers=2)
+        mnist = _mnist(data_dir, args.epochs)
         elastic = WorkersConfig(min_workers=1, max_workers=2)
-        first_epoch = lambda e: e["event"] == "epoch" and e["epoch"] == 1  # noqa: E731
 
         cluster, _ = _start_cluster([2])
         try:
             console, thread, outcome = _launch_in_background(
-                mnist, fixed_two, "undisturbed", storage, FaultToleranceConfig()
+                mnist, _FIXED_TWO, "undisturbed", storage, FaultToleranceConfig()
             )
             undisturbed = _finish(thread, outcome)
         finally:
             ray.shutdown()
             cluster.shutdown()
 
-        kill_s, _, killed, kill_steps = scenario(
-            [2], fixed_two, mnist, storage, "worker-kill", _kill_a_worker, first_epoch,
-            delay_s=2.0,  # mid-epoch
-        )
+        kill_s, _, killed, kill_steps = _kill_scenario(mnist, storage)
         remove_s, _, _, remove_steps = scenario(
             [1, 1], elastic, mnist, storage, "node-removal",
             lambda cluster, nodes: cluster.remove_node(nodes[-1]),
@@ -173,7 +254,7 @@ def main() -> None:
         join_s, grown, _, join_steps = scenario(
             [1], elastic, mnist, storage, "node-join",
             lambda cluster, nodes: cluster.add_node(num_cpus=1),
-            first_epoch,
+            _first_epoch,
         )
         assert grown["world_size"] == 2
 

@@ -78,7 +78,7 @@ def steady(rates: list[float]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--data-dir", default="../shared/datasets/mnist",
                         help="folder with MNIST/raw/t10k-*-ubyte.gz (the real 10,000 images)")
     parser.add_argument("--epochs", type=int, default=3)

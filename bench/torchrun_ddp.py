@@ -57,7 +57,7 @@ class _CIFAR10(datasets.CIFAR10):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--task", choices=("mnist", "cifar10"), required=True)
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--epochs", type=int, default=3)
