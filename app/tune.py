@@ -85,7 +85,7 @@ def run_trial(config: dict[str, Any]) -> None:
     mlflow = tracking.MlflowSettings(**config["mlflow"]) if config.get("mlflow") else None
     console = Console(io.StringIO(), live=False)
 
-    def warn(message: str) -> None:  # in the trial's log, which Ray shows on the sweep's console
+    def warn(message: str) -> None:  # in Ray's worker log; on the sweep's console with --verbose
         print(f"warning: {message}", file=sys.stderr, flush=True)
 
     # A resumed sweep's trial whose driver was killed while Ray rewrote its record.
