@@ -78,13 +78,18 @@ def check_storage(storage_path: str) -> None:
         raise UserError(f"cannot write to storage path {storage_path}: {error}") from None
 
 
+def run_folder(run: RunConfig) -> tuple[pyarrow.fs.FileSystem, str]:
+    """The filesystem of the run's storage and the run's folder in it."""
+    filesystem, path = pyarrow.fs.FileSystem.from_uri(run.storage_path)
+    return filesystem, join(path, run.name)
+
+
 def _snapshot_location(run: RunConfig) -> tuple[pyarrow.fs.FileSystem, str, str]:
     """The filesystem, the run's folder and Ray Train's record of its checkpoints (the
     snapshot) in that folder."""
     from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
 
-    filesystem, path = pyarrow.fs.FileSystem.from_uri(run.storage_path)
-    folder = join(path, run.name)
+    filesystem, folder = run_folder(run)
     return filesystem, folder, join(folder, CHECKPOINT_MANAGER_SNAPSHOT_FILENAME)
 
 
@@ -143,8 +148,7 @@ def latest_settings(run: RunConfig) -> dict:
     predates them); what a rerun of the run is checked against before any worker starts."""
     from app.checkpoint import SETTINGS_FILE
 
-    filesystem, path = pyarrow.fs.FileSystem.from_uri(run.storage_path)
-    folder = join(path, run.name)
+    filesystem, folder = run_folder(run)
     for name in checkpoint_folders(filesystem, folder):
         try:
             with filesystem.open_input_stream(join(folder, name, SETTINGS_FILE)) as stream:
@@ -174,8 +178,7 @@ class RunLock:
     FILE = ".lock"
 
     def __init__(self, run: RunConfig, refresh_s: float = 10.0, stale_s: float = 60.0):
-        self.filesystem, base = pyarrow.fs.FileSystem.from_uri(run.storage_path)
-        self.folder = join(base, run.name)
+        self.filesystem, self.folder = run_folder(run)
         self.path = join(self.folder, self.FILE)
         self.run = run
         self.refresh_s = refresh_s

@@ -223,6 +223,8 @@ def main() -> None:
                         help="with --baseline-checkout: kill scenarios per checkout")
     parser.add_argument("--kill-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: give at least 1")
     if args.kill_only:
         return kill_only(args)
     if args.baseline_checkout:
