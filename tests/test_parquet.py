@@ -340,6 +340,23 @@ def _s3_json(path: str):
         return None
 
 
+def _wait_until_the_job_has_ended(driver_pid: int, timeout_s: float = 60) -> None:
+    """Waits until Ray has ended a killed driver's job and the actors that die with it."""
+    from ray._private import state
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        jobs = [job for job in state.jobs() if job["DriverPid"] == driver_pid]
+        if jobs and all(job["IsDead"] for job in jobs):
+            ids = {job["JobID"] for job in jobs}
+            # Ray Data's detached actors (its stats) outlive every job by design.
+            if all(actor["State"] == "DEAD" for actor in state.actors().values()
+                   if actor["JobID"] in ids and not actor["IsDetached"]):
+                return
+        time.sleep(0.5)
+    raise AssertionError(f"Ray did not end the killed driver's job within {timeout_s:.0f} s")
+
+
 def test_s3_data_and_checkpoints_survive_a_killed_driver(cluster, mnist_dir, tmp_path):
     assert prepare.main(["--data-dir", str(mnist_dir), "--output", "s3://data/mnist"]) == 0
     command = [
@@ -361,7 +378,9 @@ def test_s3_data_and_checkpoints_survive_a_killed_driver(cluster, mnist_dir, tmp
     assert latest is not None, (tmp_path / "first.log").read_text()
     driver.send_signal(signal.SIGKILL)
     driver.wait(timeout=30)
-    # The snapshot may have moved on between reading it and the kill: read it again.
+    # The killed driver's controller lives on until Ray sees the driver gone and ends its job;
+    # it may record a newer checkpoint meanwhile. Read the snapshot once it is gone.
+    _wait_until_the_job_has_ended(driver.pid)
     latest = _s3_json(snapshot_path)["latest_checkpoint_result"]["metrics"]
 
     rerun = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
