@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Any, TextIO
 
-from app.results import format_metric
+from app.results import count, format_metric
 
 
 def _row(epoch, world, train_loss, val_loss, metrics, throughput, seconds) -> str:
@@ -132,8 +132,8 @@ class Console:
                 f"{'' if event['dataset'] == event.get('task') else ' on ' + event['dataset']}"
                 f"{' (Parquet, Ray Data)' if event.get('source') == 'parquet' else ''}: "
                 f"{event['num_train']:,} train / "
-                f"{event['num_val']:,} validation samples, {event['epochs']} epochs, "
-                f"{event['world_size']} {device} worker(s), "
+                f"{event['num_val']:,} validation samples, {count(event['epochs'], 'epoch')}, "
+                f"{count(event['world_size'], device + ' worker')}, "
                 f"{event['batch_per_worker']} samples per worker per step, "
                 f"{_speedups(event)}."
             )
@@ -178,7 +178,7 @@ class Console:
             self.line(f"Lost a worker while the group restarted ({why}): {then}.")
         elif event["event"] == "failure" and not event["fatal"]:  # a fatal one ends the run,
             lost = "; ".join(f"rank {rank}: {why}" for rank, why in event["workers"].items())
-            self.line(f"Lost {len(event['workers'])} worker(s) ({lost}): restarting from the "
+            self.line(f"Lost {count(len(event['workers']), 'worker')} ({lost}): restarting from the "
                       "latest checkpoint.")  # which the CLI then says in its error line
         elif event["event"] == "warning":
             self.line(f"warning: {event['message']}")

@@ -28,6 +28,11 @@ def metric_columns(history: list[dict[str, Any]]) -> list[str]:
     return names
 
 
+def count(number: int, noun: str) -> str:
+    """``1 epoch``, ``5 epochs``: a number of things as a person writes it."""
+    return f"{number:,} {noun}{'' if number == 1 else 's'}"
+
+
 def format_metric(name: str, value: float) -> str:
     """A metric as a person reads it: accuracies as percentages, the rest with 4 decimals."""
     if name.endswith("accuracy"):

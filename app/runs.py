@@ -194,7 +194,7 @@ def _describe(event: dict[str, Any], record: dict[str, Any],
         lost = f", {item.seconds:.1f} s lost" if item is not None else ""
         detail = f"; {item.detail}" if item is not None and item.detail else ""
         where = f" at step {event.get('step', 0)}" if event.get("step") else ""
-        return f"{what}: {event['world_size']} worker(s){where}{lost}{detail}"
+        return f"{what}: {results.count(event['world_size'], 'worker')}{where}{lost}{detail}"
     if kind == "epoch":
         score = record.get("score", "")
         value = f", {score} {results.format_metric(score, event['score'])}" \

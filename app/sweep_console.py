@@ -13,6 +13,7 @@ from ray import tune
 from app import timeline, tracking
 from app.config import UserError
 from app.console import Console
+from app.results import count
 
 _active: SweepConsole | None = None
 """The sweep console of this process. Tune pickles its callbacks with the experiment (and
@@ -64,7 +65,7 @@ class SweepConsole:
     @staticmethod
     def _what(trial) -> str:
         config = trial.config
-        return (f"lr {config['train']['optim']['lr']:.4g}, {config['num_workers']} worker(s), "
+        return (f"lr {config['train']['optim']['lr']:.4g}, {count(config['num_workers'], 'worker')}, "
                 f"batch {config['train']['loop']['global_batch_size']}")
 
     def trial_started(self, trial) -> None:

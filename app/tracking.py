@@ -71,7 +71,7 @@ class TensorBoardLog:
             self._metrics = list(event.get("metrics", [])) or self._metrics
             self.writer.add_scalar("run/world_size", event["world_size"], event.get("step", 0))
             what = f"resumed at step {event.get('step', 0)}" if resumed else "started"
-            self._text(event.get("step", 0), f"{what} with {event['world_size']} worker(s)")
+            self._text(event.get("step", 0), f"{what} with {results.count(event['world_size'], 'worker')}")
         if self.writer is None:
             return
         if kind == "step":

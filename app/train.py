@@ -27,7 +27,7 @@ from app.config import (
     parse_worker_range,
 )
 from app.console import Console
-from app.results import format_metric
+from app.results import count, format_metric
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -274,7 +274,7 @@ def _train(args, console, config, task, workers, run, fault_tolerance, manifest,
     best = summary.best_metrics
     console.line(
         f"Best {task.score.replace('val_', 'validation ', 1).replace('_', ' ')} {format_metric(task.score, best[task.score])} at "
-        f"epoch {best['epoch']} ({len(summary.history)} epochs trained)."
+        f"epoch {best['epoch']} ({count(len(summary.history), 'epoch')} trained)."
     )
     console.line(f"Checkpoints: {summary.run_uri}  (best: {summary.best_checkpoint})")
     console.line(f"Metrics:     {summary.metrics_uri}")

@@ -176,8 +176,8 @@ def test_runs_lists_and_shows_runs(tmp_path, capsys):
                                      "(accuracy)", "2,3"]
     assert runs.main(["--storage-path", str(tmp_path / "runs"), "r"]) == 0
     shown = capsys.readouterr().out
-    assert "restart: 2 worker(s) at step 10, 10.0 s lost; lost rank 1: killed" in shown
-    assert "driver restart: 3 worker(s) at step 25, 15.0 s lost" in shown
+    assert "restart: 2 workers at step 10, 10.0 s lost; lost rank 1: killed" in shown
+    assert "driver restart: 3 workers at step 25, 15.0 s lost" in shown
     assert f"metrics:     {folder / 'metrics.csv'}" in shown
     assert runs.main(["--storage-path", str(tmp_path / "runs"), "nope"]) == 2
     assert "no run named 'nope'" in capsys.readouterr().err
