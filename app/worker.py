@@ -245,6 +245,12 @@ def _train(config: TrainConfig, worker_config: dict[str, Any], progress,
         if interval and step % interval == 0:
             reporter.report_partial(reason="interval")
 
+    if trainer.epochs_done >= config.loop.epochs and state is not None \
+            and ray.train.get_checkpoint() is None:
+        if trainer.state.epoch_step:  # a mid-epoch checkpoint past a lowered --epochs
+            reporter.report_partial(reason="resumed")
+        else:
+            reporter.report_last_epoch_again()
     while trainer.epochs_done < config.loop.epochs:
         result = trainer.run_epoch(after_step=after_step)
         evaluation = trainer.evaluate()
@@ -346,7 +352,8 @@ class _Reporter:
         self.world_size = world_size
         self.progress = progress
 
-    def _report(self, metrics: dict[str, Any], checkpoint_dir_name: str) -> None:
+    def _report(self, metrics: dict[str, Any], checkpoint_dir_name: str,
+                announce: bool = True) -> None:
         state = self.trainer.snapshot()  # collective: every rank takes part
         if self.rank != 0:
             ray.train.report(metrics)
@@ -362,7 +369,8 @@ class _Reporter:
         except OSError as error:  # disk full, no permission: a restart would fail the same way
             raise StorageFailure(f"cannot write the checkpoint {checkpoint_dir_name}: {error}") \
                 from None
-        send(self.progress, {"event": metrics["kind"], **metrics})
+        if announce:
+            send(self.progress, {"event": metrics["kind"], **metrics})
 
     def report_epoch(self, result, evaluation, model) -> None:
         state = self.trainer.state
@@ -385,6 +393,18 @@ class _Reporter:
         self._report(
             {**metrics, "checkpoint_score": checkpoint_score(self.task, score)},
             f"checkpoint_epoch_{state.epoch:04d}",
+        )
+
+    def report_last_epoch_again(self) -> None:
+        """Registers the restored last epoch's checkpoint with Ray Train again, under its own
+        name and with its own metrics, for a run resumed (``RESUME_KEY``) with every epoch
+        done: Ray Train lost its record, so the run would end with no checkpoint, and the next
+        resume would start over. The console has shown that epoch already."""
+        state = self.trainer.state
+        metrics = state.history[-1]
+        self._report(
+            {**metrics, "checkpoint_score": checkpoint_score(self.task, metrics[self.task.score])},
+            f"checkpoint_epoch_{state.epoch:04d}", announce=False,
         )
 
     def report_partial(self, reason: str) -> None:

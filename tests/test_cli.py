@@ -183,3 +183,15 @@ def test_offline_default_falls_back_to_bundled_digits_and_ctrl_c_keeps_checkpoin
     assert [int(row.split(",")[0]) for row in rows] == list(range(1, done + 3))
     assert snapshot.with_name(snapshot.name + UNREADABLE_SUFFIX).read_bytes() == cut_short
     assert _committed_epoch(run_dir) == done + 2, "Ray Train records the run's checkpoints again"
+
+    # Cut short once its epochs were all done (the sweep test's trial, Ctrl-C'd as it ended):
+    # the rerun trains nothing, ends with the last checkpoint, and Ray records it again.
+    snapshot.write_bytes(cut_short)
+    result = subprocess.run(
+        command[:5] + ["--epochs", str(done + 2)] + command[7:],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"All {done + 2} epochs were already trained" in result.stdout, result.stdout
+    assert (run_dir / "metrics.csv").read_text().splitlines()[1:] == rows
+    assert _committed_epoch(run_dir) == done + 2, "the finished run's record is whole again"
