@@ -114,7 +114,10 @@ class SweepConsole:
 
     def _close_record(self, run_uri: str, status: str) -> None:
         try:
-            timeline.finalize(run_uri, status)  # a record already closed is left as it is
+            # Tune's verdict wins over a "failed" that the trial's process recorded while Tune
+            # stopped it; any other closed record is left as it is.
+            timeline.finalize(run_uri, status,
+                              overrule=("failed",) if status == "stopped early" else ())
         except Exception as error:  # noqa: BLE001 - never a reason to stop the sweep
             self.console.line(f"warning: cannot close the record of {run_uri}: {error}")
 

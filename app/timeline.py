@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -335,11 +336,13 @@ def close_record(record: dict[str, Any], status: str) -> Analysis:
     return analysis
 
 
-def finalize(run_uri: str, status: str) -> None:
+def finalize(run_uri: str, status: str, *, overrule: Collection[str] = ()) -> None:
     """Close the record of a run whose driver could not (a sweep trial that Tune ended) and
-    draw its timeline; a record already closed is left as it is."""
+    draw its timeline. A record already closed is left as it is, unless its status is one of
+    ``overrule``: the trial's own process can record ``failed`` as Tune stops it."""
     record = load(run_uri)
-    if record is None or record.get("status") != "running":
+    if record is None or record.get("status") not in {"running", *overrule} \
+            or record.get("status") == status:
         return
     analysis = close_record(record, status)
     results.write_file(join(run_uri, RECORD_FILE), json.dumps(record, indent=1).encode())

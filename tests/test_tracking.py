@@ -219,3 +219,31 @@ def test_a_trial_record_reopened_after_its_stop_is_closed_again_when_the_sweep_e
     assert timeline.load(run_uri)["status"] == "running"
     sweep.close_records()
     assert timeline.load(run_uri)["status"] == "stopped early"
+
+
+def test_a_trial_that_recorded_failed_as_tune_stopped_it_is_closed_as_stopped_early(tmp_path):
+    """The trial's process can see an error while Tune stops it and close its record as failed
+    first; Tune's verdict wins. A trial that Tune saw fail keeps its failed record."""
+    from types import SimpleNamespace
+
+    from app.sweep_console import SweepConsole
+
+    sweep = SweepConsole(Console(io.StringIO()), "val_accuracy", "max", str(tmp_path),
+                         mlflow_on=False)
+    config = {"num_workers": 1, "train": {"optim": {"lr": 0.1},
+                                          "loop": {"epochs": 4, "global_batch_size": 64}}}
+    for trial_id, error, expected in (("t1", False, "stopped early"), ("t2", True, "failed")):
+        run_uri = str(tmp_path / f"trial-{trial_id}")
+        trial_side = timeline.RunRecord(run_uri, f"trial-{trial_id}",
+                                        {"epochs": 4, "score": "val_accuracy"}, time.time())
+        trial_side.close("failed")  # the trial's process, as Tune stops it
+        trial = SimpleNamespace(trial_id=trial_id, config=config,
+                                last_result={"epoch": 1, "val_accuracy": 0.5},
+                                get_pickled_error=lambda: None, get_error=lambda: None)
+        sweep.trial_ended(trial, error=error)
+        record = timeline.load(run_uri)
+        assert (record["status"], record["sessions"][-1]["status"]) == (expected, expected)
+        assert (tmp_path / f"trial-{trial_id}" / timeline.TIMELINE_FILE).exists() \
+            == (expected == "stopped early")
+    sweep.close_records()
+    assert timeline.load(str(tmp_path / "trial-t1"))["status"] == "stopped early"
