@@ -341,8 +341,7 @@ def finalize(run_uri: str, status: str, *, overrule: Collection[str] = ()) -> No
     draw its timeline. A record already closed is left as it is, unless its status is one of
     ``overrule``: the trial's own process can record ``failed`` as Tune stops it."""
     record = load(run_uri)
-    if record is None or record.get("status") not in {"running", *overrule} \
-            or record.get("status") == status:
+    if record is None or record.get("status") not in {"running", *overrule}:
         return
     analysis = close_record(record, status)
     results.write_file(join(run_uri, RECORD_FILE), json.dumps(record, indent=1).encode())
