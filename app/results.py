@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import tempfile
 from typing import Any
 
 import pyarrow.fs
@@ -41,11 +42,39 @@ def format_metric(name: str, value: float) -> str:
 
 
 def write_file(uri: str, payload: bytes) -> None:
+    """Write ``payload`` whole: a reader sees the old file or the new one, never part of one (a
+    local file is written beside it and renamed over it; an object store's put is atomic)."""
     filesystem, path = pyarrow.fs.FileSystem.from_uri(uri)
-    if isinstance(filesystem, pyarrow.fs.LocalFileSystem):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with filesystem.open_output_stream(path) as stream:
+    if not isinstance(filesystem, pyarrow.fs.LocalFileSystem):
+        with filesystem.open_output_stream(path) as stream:
+            stream.write(payload)
+        return
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{os.path.basename(path)}.",
+                                     delete=False) as stream:
         stream.write(payload)
+    try:
+        os.chmod(stream.name, _mode_for(path))
+        os.replace(stream.name, path)
+    except BaseException:
+        os.unlink(stream.name)
+        raise
+
+
+def _mode_for(path: str) -> int:
+    """The mode the file had, else the one ``open`` would give a new file (the temporary file
+    is owner-only). The umask is read from /proc: setting it to read it races other threads."""
+    try:
+        return os.stat(path).st_mode & 0o777
+    except FileNotFoundError:
+        pass
+    try:
+        with open("/proc/self/status") as status:
+            mask = next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = 0o022
+    return 0o666 & ~mask
 
 
 def read_file(uri: str) -> bytes:
