@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -30,6 +31,19 @@ _KEPT = {
     "epoch": ("epoch", "step", "world_size", "epoch_seconds", "samples_per_second", "val_loss"),
 }
 """The events a record keeps, and their fields (besides ``event`` and ``time``)."""
+
+
+_frozen = threading.Event()
+_saving = threading.Lock()
+
+
+def freeze_records() -> None:
+    """Stop every ``RunRecord`` of this process from writing, for good, once no write is under
+    way. A sweep's trial calls it as Ray Tune stops the trial: Tune does not stop the trial's
+    training thread, which goes on reporting until the process is gone, and the sweep closes
+    the record (``finalize``) with the verdict only it knows."""
+    with _saving:
+        _frozen.set()
 
 
 def load(run_uri: str) -> dict[str, Any] | None:
@@ -61,8 +75,10 @@ class RunRecord:
         self.save()
 
     def save(self) -> None:
-        results.write_file(join(self.run_uri, RECORD_FILE),
-                           json.dumps(self.record, indent=1).encode())
+        with _saving:
+            if not _frozen.is_set():
+                results.write_file(join(self.run_uri, RECORD_FILE),
+                                   json.dumps(self.record, indent=1).encode())
 
     def handle(self, event: dict[str, Any]) -> None:
         kind = event.get("event")

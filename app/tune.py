@@ -313,10 +313,22 @@ def _check_data(args, embedded: bool, console: Console) -> None:
 
 def _trainable():
     from ray import tune
+    from ray.tune.trainable import wrap_function
+
+    from app import timeline
+
+    class Trial(wrap_function(run_trial)):  # named run_trial by Tune, like the function
+        """``run_trial``, whose record stays as it is once Tune stops the trial (its scheduler's
+        verdict, the sweep's end): Tune leaves the training thread running until the process is
+        gone, and that thread's writes would undo the sweep's closing of the record."""
+
+        def cleanup(self):
+            timeline.freeze_records()
+            super().cleanup()
 
     # The trial function only drives its Ray Train run, whose workers hold the CPUs and GPUs;
     # it must not take a CPU from them. Tune refuses an empty request, so it asks for memory.
-    return tune.with_resources(run_trial, {"CPU": 0, "memory": 256 * 1024**2})
+    return tune.with_resources(Trial, {"CPU": 0, "memory": 256 * 1024**2})
 
 
 def _outcome(result, status: str | None, num_epochs: int, planned: int) -> str:

@@ -247,3 +247,61 @@ def test_a_trial_that_recorded_failed_as_tune_stopped_it_is_closed_as_stopped_ea
             == (expected == "stopped early")
     sweep.close_records()
     assert timeline.load(str(tmp_path / "trial-t1"))["status"] == "stopped early"
+
+
+def test_a_trial_record_frozen_as_tune_stops_the_trial_keeps_the_sweeps_verdict(
+        tmp_path, monkeypatch):
+    """Tune stops a trial without stopping its training thread; from the trial's cleanup on,
+    that thread's progress events no longer touch the record the sweep closes."""
+    import threading
+    from types import SimpleNamespace
+
+    from app.sweep_console import SweepConsole
+
+    monkeypatch.setattr(timeline, "_frozen", threading.Event())  # this process's flag
+    run_uri = str(tmp_path / "trial-t1")
+    trial_side = timeline.RunRecord(run_uri, "trial-t1", {"epochs": 4, "score": "val_accuracy"},
+                                    time.time())
+    trial_side.handle({"event": "epoch", "epoch": 1, "step": 5, "val_accuracy": 0.5})
+    timeline.freeze_records()  # the trial's cleanup, as Tune stops it
+    sweep = SweepConsole(Console(io.StringIO()), "val_accuracy", "max", str(tmp_path),
+                         mlflow_on=False)
+    trial = SimpleNamespace(trial_id="t1", last_result={"epoch": 1, "val_accuracy": 0.5},
+                            config={"num_workers": 1, "train": {"optim": {"lr": 0.1},
+                                                                "loop": {"epochs": 4,
+                                                                         "global_batch_size": 64}}})
+    sweep.trial_ended(trial, error=False)
+    trial_side.handle({"event": "epoch", "epoch": 2, "step": 10, "val_accuracy": 0.6})
+    trial_side.close("failed")
+    record = timeline.load(run_uri)
+    assert record["status"] == "stopped early"
+    assert [event["epoch"] for event in record["events"] if event["event"] == "epoch"] == [1]
+
+
+def test_a_record_read_while_it_is_rewritten_is_the_old_or_the_new_one_whole(tmp_path):
+    """The sweep reads a trial's record while the trial's process rewrites it: never a part."""
+    import threading
+
+    from app import results
+
+    uri = str(tmp_path / "run" / "run.json")
+    payloads = [json.dumps({"n": n, "pad": "x" * 400_000}).encode() for n in range(2)]
+    results.write_file(uri, payloads[0])
+    (tmp_path / "run" / "run.json").chmod(0o640)
+    done = threading.Event()
+
+    def rewrite():
+        for n in range(200):
+            results.write_file(uri, payloads[n % 2])
+        done.set()
+
+    writer = threading.Thread(target=rewrite)
+    writer.start()
+    reads = 0
+    while not done.is_set():
+        assert results.read_file(uri) in payloads
+        reads += 1
+    writer.join()
+    assert reads > 10
+    assert sorted(path.name for path in (tmp_path / "run").iterdir()) == ["run.json"]
+    assert (tmp_path / "run" / "run.json").stat().st_mode & 0o777 == 0o640
