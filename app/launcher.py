@@ -435,8 +435,8 @@ class RunTracking:
                    best: dict[str, Any] | None = None) -> tuple[timeline.Analysis | None, str]:
         """Close the record (``status``); write timeline.png. Returns the analysis and the
         timeline's location."""
-        if self.record is None or self._ended:
-            return None, ""
+        if self.record is None or self._ended or timeline.records_frozen():
+            return None, ""  # frozen: the sweep closes it and draws its timeline
         self._ended = True
         score = self.record.record.get("score")
         self.record.close(status, best={"epoch": best["epoch"], score: best.get(score)}

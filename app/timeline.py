@@ -46,6 +46,11 @@ def freeze_records() -> None:
         _frozen.set()
 
 
+def records_frozen() -> bool:
+    """Whether ``freeze_records`` was called in this process."""
+    return _frozen.is_set()
+
+
 def load(run_uri: str) -> dict[str, Any] | None:
     """The record of the run at ``run_uri``; None when it has none (or it cannot be read)."""
     try:
