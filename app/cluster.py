@@ -176,7 +176,7 @@ def _connect(address: str | None, verbose: bool) -> bool:
         return False
     # address="local" always starts a fresh cluster: a bare ray.init() would try to join whatever
     # /tmp/ray/ray_current_cluster names, even a cluster that is long gone.
-    with _embedded_cluster_environment(), _lean_head(log_monitor=verbose):
+    with _embedded_cluster_environment(), lean_head(log_monitor=verbose):
         ray.init(
             address="local",
             include_dashboard=False,
@@ -188,7 +188,7 @@ def _connect(address: str | None, verbose: bool) -> bool:
 
 
 @contextlib.contextmanager
-def _lean_head(log_monitor: bool):
+def lean_head(log_monitor: bool):
     """The embedded cluster's head without the processes a command's own cluster never uses.
 
     ray.init starts them all on every head it makes and has no option for any of them: the
@@ -197,7 +197,7 @@ def _lean_head(log_monitor: bool):
     nothing to scale) and, without --verbose, the log monitor (it sends workers' output to a
     driver that does not ask for it). Each is a Python process of about a second of CPU,
     taken from the workers' start on a small machine. Ray skips a head's API server that
-    failed to start just the same way.
+    failed to start just the same way. The tests start their own clusters with it too.
     """
     from ray._private.node import Node
 

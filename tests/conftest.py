@@ -68,10 +68,14 @@ def small_mnist_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A fresh single-node local Ray cluster with 2 CPUs, shut down after the module."""
+    """A fresh single-node local Ray cluster with 2 CPUs (the embedded cluster's lean head),
+    shut down after the module."""
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from app.cluster import lean_head
+
+    with lean_head(log_monitor=False):
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -21,7 +21,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from app import launcher
-from app.cluster import FAST_RECOVERY_SYSTEM_CONFIG
+from app.cluster import FAST_RECOVERY_SYSTEM_CONFIG, lean_head
 from app.config import (
     CheckpointConfig,
     DataConfig,
@@ -47,14 +47,15 @@ bound catches is a restart that waits on a timeout."""
 def cluster():
     """A head node that runs only the driver and the Train controller (0 CPUs); tests add the
     worker nodes they need."""
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 0,
-            "include_dashboard": False,
-            "_system_config": FAST_RECOVERY_SYSTEM_CONFIG,
-        },
-    )
+    with lean_head(log_monitor=False):
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 0,
+                "include_dashboard": False,
+                "_system_config": FAST_RECOVERY_SYSTEM_CONFIG,
+            },
+        )
     yield cluster
     ray.shutdown()
     cluster.shutdown()

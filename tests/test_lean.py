@@ -93,7 +93,7 @@ def test_only_a_verbose_embedded_head_starts_the_log_monitor(verbose):
 
     originals = {name: getattr(Node, name)
                  for name in ("start_api_server", "start_monitor", "start_log_monitor")}
-    with cluster._lean_head(log_monitor=verbose):
+    with cluster.lean_head(log_monitor=verbose):
         assert Node.start_api_server is not originals["start_api_server"]
         assert Node.start_monitor is not originals["start_monitor"]
         assert (Node.start_log_monitor is originals["start_log_monitor"]) == verbose

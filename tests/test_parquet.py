@@ -225,7 +225,10 @@ def cluster(s3):
     """A 2-CPU local cluster that can reach the local S3 (started after its environment)."""
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from app.cluster import lean_head
+
+    with lean_head(log_monitor=False):
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 

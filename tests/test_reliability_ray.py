@@ -18,6 +18,7 @@ import torch
 from localnet import free_port
 from test_cli import _committed_epoch
 
+from app.cluster import lean_head
 from app.config import RunConfig
 from app.storage import RunLock
 
@@ -106,8 +107,9 @@ def test_watchdog_ends_a_run_whose_workers_cannot_be_placed(tmp_path):
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 2, "include_dashboard": False})
+    with lean_head(log_monitor=False):
+        cluster = Cluster(initialize_head=True,
+                          head_node_args={"num_cpus": 2, "include_dashboard": False})
     holder = subprocess.Popen([sys.executable, "-c", f"""
 import ray, sys, time
 ray.init(address={cluster.address!r}, log_to_driver=False)
@@ -144,7 +146,7 @@ for _ in sys.stdin:  # each line asks how many placement groups wait to be place
 
         started = time.monotonic()
         result = _run("--address", cluster.address, "--dataset", "digits", "--num-workers", "2",
-                      "--placement-timeout", "15", "--name", "stuck", cwd=tmp_path, timeout=150)
+                      "--placement-timeout", "8", "--name", "stuck", cwd=tmp_path, timeout=150)
         elapsed = time.monotonic() - started
     finally:
         holder.stdin.close()
@@ -153,7 +155,7 @@ for _ in sys.stdin:  # each line asks how many placement groups wait to be place
         cluster.shutdown()
     assert result.returncode == 2, result.stdout + result.stderr
     line = _one_line(result.stderr)
-    assert "no training worker has run for 15 s" in line
+    assert "no training worker has run for 8 s" in line
     assert "reserved: {CPU: 1} x 2 by job" in line, line
     assert elapsed < 60
 
@@ -222,8 +224,9 @@ def test_a_trial_that_cannot_be_placed_fails_with_the_reason(tmp_path):
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 2, "include_dashboard": False})
+    with lean_head(log_monitor=False):
+        cluster = Cluster(initialize_head=True,
+                          head_node_args={"num_cpus": 2, "include_dashboard": False})
     holder = subprocess.Popen([sys.executable, "-c", f"""
 import ray, sys
 ray.init(address={cluster.address!r}, log_to_driver=False)
@@ -237,7 +240,7 @@ sys.stdin.read()
         result = subprocess.run(
             [sys.executable, "-m", "app.tune", "--address", cluster.address, "--num-workers",
              "1,2", "--num-samples", "1", "--epochs", "1", "--dataset", "digits", "--name",
-             "held", "--placement-timeout", "15", "--scheduler", "fifo"],
+             "held", "--placement-timeout", "8", "--scheduler", "fifo"],
             cwd=tmp_path, capture_output=True, text=True, timeout=300,
         )
     finally:
@@ -249,7 +252,7 @@ sys.stdin.read()
     rows = _rows(tmp_path / "runs" / "held" / "trials.txt")
     by_size = {row.split()[3]: row for row in rows}
     assert by_size["1"].endswith("completed")
-    assert "failed: no training worker has run for 15 s" in by_size["2"], by_size["2"]
+    assert "failed: no training worker has run for 8 s" in by_size["2"], by_size["2"]
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):

@@ -14,6 +14,7 @@ import pytest
 import ray
 from localnet import free_port
 
+from app.cluster import lean_head
 from app.storage import UNREADABLE_SUFFIX
 
 pytestmark = pytest.mark.integration
@@ -90,7 +91,8 @@ def test_sweep_ranks_trials_and_reports_scaling(small_mnist_dir, tmp_path, mlflo
 
 @pytest.fixture
 def local_cluster():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    with lean_head(log_monitor=False):
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 
