@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+from localray import local_ray
 
 MNIST_ENV = "APP_MNIST_DIR"
 """Folder holding MNIST/raw/t10k-{images-idx3,labels-idx1}-ubyte.gz (the 10,000 real images)."""
@@ -70,14 +71,8 @@ def small_mnist_dir(tmp_path_factory) -> Path:
 def ray_cluster():
     """A fresh single-node local Ray cluster with 2 CPUs (the embedded cluster's lean head),
     shut down after the module."""
-    import ray
-
-    from app.cluster import lean_head
-
-    with lean_head(log_monitor=False):
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    with local_ray():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ import pyarrow.fs
 import pyarrow.parquet as pq
 import pytest
 from localnet import free_port, wait_for_port
+from localray import local_ray
 
 from app import parquet, prepare, train
 from app.config import UserError
@@ -223,14 +224,8 @@ def test_verify_data_catches_changed_bytes(local_parquet, tmp_path, capsys):
 @pytest.fixture(scope="module")
 def cluster(s3):
     """A 2-CPU local cluster that can reach the local S3 (started after its environment)."""
-    import ray
-
-    from app.cluster import lean_head
-
-    with lean_head(log_monitor=False):
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
+    with local_ray() as address:
+        yield address
 
 
 def _collect_ids(config):

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import ray
 from localnet import free_port
+from localray import local_ray
 
-from app.cluster import lean_head
 from app.storage import UNREADABLE_SUFFIX
 
 pytestmark = pytest.mark.integration
@@ -91,10 +91,8 @@ def test_sweep_ranks_trials_and_reports_scaling(small_mnist_dir, tmp_path, mlflo
 
 @pytest.fixture
 def local_cluster():
-    with lean_head(log_monitor=False):
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
+    with local_ray() as address:
+        yield address
 
 
 def test_asha_stops_a_hopeless_trial_and_no_placement_group_leaks(
