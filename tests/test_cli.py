@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import forkcli
 import numpy as np
 import pytest
 
@@ -19,10 +20,9 @@ pytestmark = pytest.mark.integration
 
 
 def _cli(*args, cwd, timeout=120):
-    return subprocess.run(
-        [sys.executable, "-m", "app.train", *args],
-        cwd=cwd, capture_output=True, text=True, timeout=timeout,
-    )
+    """``python -m app.train *args``, forked from a process that has imported the app (see
+    forkcli): the test of ``--help`` and the runs below start the real command."""
+    return forkcli.run("app.train", *args, cwd=cwd, timeout=timeout)
 
 
 def _assert_one_line_error(result, expected):
@@ -34,7 +34,8 @@ def _assert_one_line_error(result, expected):
 
 
 def test_help_describes_every_flag(tmp_path):
-    result = _cli("--help", cwd=tmp_path)
+    result = subprocess.run([sys.executable, "-m", "app.train", "--help"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 0
     for flag in (
         "--num-workers", "--use-gpu", "--cpus-per-worker", "--epochs", "--global-batch-size",

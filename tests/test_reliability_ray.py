@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import forkcli
 import psutil
 import pytest
 import torch
@@ -96,7 +97,7 @@ def test_divergence_stops_at_once_and_leaves_no_nan_checkpoint(tmp_path):
         weights = torch.load(state_file, weights_only=True)["model"]
         assert all(torch.isfinite(value).all() for value in weights.values()), state_file
 
-    refused = _run("--dataset", "digits", "--lr", "inf", cwd=tmp_path)
+    refused = forkcli.run("app.train", "--dataset", "digits", "--lr", "inf", cwd=tmp_path)
     assert refused.returncode == 2
     assert "learning rate must be a finite number" in _one_line(refused.stderr)
 
@@ -355,7 +356,8 @@ def test_unreachable_and_http_addresses_fail_fast(tmp_path):
     for address, expected in ((f"127.0.0.1:{free_port()}", "cannot reach the Ray cluster"),
                               ("http://127.0.0.1:8265", "is a dashboard (HTTP) URL")):
         started = time.monotonic()
-        result = _run("--address", address, "--dataset", "digits", cwd=tmp_path, timeout=60)
+        result = forkcli.run("app.train", "--address", address, "--dataset", "digits",
+                              cwd=tmp_path, timeout=60)
         assert result.returncode == 2
         assert expected in _one_line(result.stderr)
         assert time.monotonic() - started < 15

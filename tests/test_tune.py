@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import forkcli
 import pytest
 import ray
 from localnet import free_port
@@ -25,6 +26,13 @@ def _tune(*args, cwd, timeout=600, address=None):
     if address:
         command += ["--address", address]
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def _refused(*args, cwd, address=None):
+    """A sweep command expected to be refused, forked from a process that has imported the app
+    (see forkcli) instead of started from nothing."""
+    return forkcli.run("app.tune", *args, *(["--address", address] if address else []),
+                       cwd=cwd, timeout=60)
 
 
 def _table_rows(path: Path) -> list[list[str]]:
@@ -183,7 +191,7 @@ def test_interrupted_sweep_resumes_without_redoing_finished_trials(small_mnist_d
 
 def test_world_size_the_cluster_can_never_host_is_refused(tmp_path):
     started = time.monotonic()
-    result = _tune("--num-workers", "1,4", "--dataset", "digits", cwd=tmp_path, timeout=60)
+    result = _refused("--num-workers", "1,4", "--dataset", "digits", cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert "can never host 4 worker(s)" in result.stderr
     assert "Traceback" not in result.stderr
@@ -203,11 +211,11 @@ def test_bad_sweep_flags_are_one_line_errors(tmp_path):
         (["--num-workers", "a,b"], "--num-workers must be a comma-separated list"),
         (["--show"], "--resume and --show need the --name"),
     ):
-        result = _tune(*args, "--dataset", "digits", cwd=tmp_path, timeout=60, address=nowhere)
+        result = _refused(*args, "--dataset", "digits", cwd=tmp_path, address=nowhere)
         assert result.returncode == 2, (args, result.stderr)
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and expected in lines[0], (args, result.stderr)
     # On a real cluster: the sweep's folder is looked for there.
-    result = _tune("--name", "nothing", "--show", cwd=tmp_path, timeout=60)
+    result = _refused("--name", "nothing", "--show", cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert "no sweep named 'nothing'" in result.stderr and "Traceback" not in result.stderr
