@@ -6,6 +6,10 @@ first flag. ``run`` instead forks the command from a server process that has imp
 (``multiprocessing``'s forkserver, which forks from a clean single-threaded process, never from
 the test's own): the command still runs in its own process, from ``main()`` exactly as
 ``python -m app.train`` runs it, with its own stdout, stderr and exit status.
+
+A forked command has the environment the server started with (the first ``run`` of the test
+session), not the calling test's current ``os.environ``; torch and the app have read theirs at
+import. A test that sets an environment variable for its command starts it with ``subprocess``.
 """
 
 from __future__ import annotations

@@ -21,18 +21,19 @@ from app.storage import UNREADABLE_SUFFIX
 pytestmark = pytest.mark.integration
 
 
+def _sweep_args(args, address):
+    return [*args, *(["--address", address] if address else [])]
+
+
 def _tune(*args, cwd, timeout=600, address=None):
-    command = [sys.executable, "-m", "app.tune", *args]
-    if address:
-        command += ["--address", address]
+    command = [sys.executable, "-m", "app.tune", *_sweep_args(args, address)]
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 def _refused(*args, cwd, address=None):
     """A sweep command expected to be refused, forked from a process that has imported the app
     (see forkcli) instead of started from nothing."""
-    return forkcli.run("app.tune", *args, *(["--address", address] if address else []),
-                       cwd=cwd, timeout=60)
+    return forkcli.run("app.tune", *_sweep_args(args, address), cwd=cwd, timeout=60)
 
 
 def _table_rows(path: Path) -> list[list[str]]:
