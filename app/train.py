@@ -212,13 +212,21 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         dataset = args.dataset or ("" if task.offline_fallback else task.default_dataset)
         _check_resumable(early, TrainConfig(task=reference, optim=optim, loop=loop),
                          task.name, dataset)
+    resolved = None
     if args.parquet is None:
         task.builder(args.dataset or "")  # an unknown data set is refused before Ray starts
+    else:
+        # A Parquet set's manifest and file footers are a few small reads: a set that is
+        # missing, incomplete or for another task is refused before a cluster starts (an
+        # embedded one would take seconds to start and stop again around the error).
+        resolved = flags.resolve_data(args, task, console, load=embedded,
+                                      global_batch_size=loop.global_batch_size)
     # Every check that needs no data has passed: the cluster starts now, beside the data's
     # load, the task's check on its samples and the launcher's imports.
     with cluster.Connecting(args.address, verbose=args.verbose) as connection:
-        data, manifest = flags.resolve_data(args, task, console, load=embedded,
-                                            global_batch_size=loop.global_batch_size)
+        data, manifest = resolved or flags.resolve_data(
+            args, task, console, load=embedded, global_batch_size=loop.global_batch_size
+        )
         dataset = data.dataset or task.default_dataset
         run = RunConfig(
             name=args.name or f"{dataset}-{time.strftime('%Y%m%d-%H%M%S')}",
