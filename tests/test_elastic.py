@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import forkcli
 import psutil
 import pytest
 import ray
@@ -399,11 +400,10 @@ def test_unattainable_minimum_fails_within_the_placement_timeout(cluster, tmp_pa
 
     # At the start: the CLI waits --placement-timeout for capacity, then says what is missing.
     started = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "app.train", "--address", cluster.address, "--num-workers",
-         "3-4", "--dataset", "digits", "--placement-timeout", "3",
-         "--storage-path", str(tmp_path / "cli")],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    result = forkcli.run(
+        "app.train", "--address", cluster.address, "--num-workers", "3-4", "--dataset",
+        "digits", "--placement-timeout", "3", "--storage-path", str(tmp_path / "cli"),
+        cwd=tmp_path, timeout=60,
     )
     assert result.returncode == 2, result.stderr
     assert "can never host 3 worker(s)" in result.stderr and "2 CPUs" in result.stderr

@@ -202,18 +202,15 @@ def test_sweep_resume_refuses_changed_flags_and_sigterm_stops_a_sweep(tmp_path):
     stderr = (tmp_path / "err").read_text()
     assert "terminated:" in stderr and "--resume" in stderr, stderr
 
-    changed = subprocess.run(
-        [sys.executable, "-m", "app.tune", "--name", "long", "--resume", "--epochs", "5"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-    )
+    changed = forkcli.run("app.tune", "--name", "long", "--resume", "--epochs", "5",
+                          cwd=tmp_path)
     assert changed.returncode == 2
     assert "--epochs 5 (the sweep has 30)" in _one_line(changed.stderr)
 
     foreign = tmp_path / "runs" / "foreign"
     shutil.copytree(tmp_path / "runs" / "long", foreign)
     (foreign / "sweep.json").unlink()
-    refused = subprocess.run([sys.executable, "-m", "app.tune", "--name", "foreign", "--show"],
-                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    refused = forkcli.run("app.tune", "--name", "foreign", "--show", cwd=tmp_path)
     assert refused.returncode == 2
     assert "refusing to load its Ray Tune state" in _one_line(refused.stderr)
     assert oct((tmp_path / "runs" / "long").stat().st_mode & 0o777) == "0o700"
@@ -347,7 +344,8 @@ def test_repeated_kills_including_during_restarts_finish_the_run(tmp_path):
 
 def test_a_second_driver_on_the_same_run_refuses(tmp_path):
     with RunLock(RunConfig(name="busy", storage_path=str(tmp_path / "runs"))):
-        result = _run("--dataset", "digits", "--name", "busy", cwd=tmp_path, timeout=60)
+        result = forkcli.run("app.train", "--dataset", "digits", "--name", "busy",
+                             cwd=tmp_path, timeout=60)
     assert result.returncode == 2
     assert "is being trained by another command" in _one_line(result.stderr)
 

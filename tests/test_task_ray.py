@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkcli
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -26,6 +27,11 @@ def _run(module: str, *args: str, cwd: Path, timeout: float = 300) -> subprocess
         [sys.executable, "-m", f"app.{module}", *args], cwd=cwd, capture_output=True, text=True,
         timeout=timeout, env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
     )
+
+
+def _refused(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """A command expected to be refused before it trains, forked (see forkcli)."""
+    return forkcli.run(f"app.{module}", *args, cwd=cwd, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -58,21 +64,21 @@ def test_the_best_checkpoint_is_the_lowest_validation_loss_and_evaluate_reproduc
     for name in ("val_loss", "val_mae"):
         assert scored[name] == pytest.approx(float(best[name]), rel=2e-3, abs=1e-5), name
 
-    foreign = _run("evaluate", "--checkpoint", str(run), "--task", "mnist-convnet", cwd=trained)
+    foreign = _refused("evaluate", "--checkpoint", str(run), "--task", "mnist-convnet", cwd=trained)
     assert foreign.returncode == 2
     assert foreign.stderr.startswith("error: ") and "does not fit the model" in foreign.stderr
     assert len(foreign.stderr.strip().splitlines()) == 1
 
 
 def test_a_rerun_with_other_settings_is_refused_naming_each_and_allowed_changes_resume(trained):
-    refused = _run("train", "--task", USER_TASK, "--name", "diabetes", "--global-batch-size",
+    refused = _refused("train", "--task", USER_TASK, "--name", "diabetes", "--global-batch-size",
                    "64", "--lr", "0.02", cwd=trained)
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert "--global-batch-size 64 (the run has 32)" in refused.stderr
     assert "--lr 0.02 (the run has 0.01)" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
 
-    other_task = _run("train", "--name", "diabetes", "--dataset", "digits", cwd=trained)
+    other_task = _refused("train", "--name", "diabetes", "--dataset", "digits", cwd=trained)
     assert other_task.returncode == 2
     assert "--task 'mnist-convnet'" in other_task.stderr
     assert "--dataset 'digits' (the run has 'diabetes')" in other_task.stderr
@@ -90,7 +96,7 @@ def test_a_changed_data_set_is_refused(tmp_path):
     first = _run("train", "--dataset", "digits", "--name", "digits-run", "--epochs", "1",
                  cwd=tmp_path)
     assert first.returncode == 0, first.stdout + first.stderr
-    changed = _run("train", "--dataset", "fashion-mnist", "--name", "digits-run",
+    changed = _refused("train", "--dataset", "fashion-mnist", "--name", "digits-run",
                    "--epochs", "2", cwd=tmp_path)
     assert changed.returncode == 2
     assert "--dataset 'fashion-mnist' (the run has 'digits')" in changed.stderr
@@ -131,6 +137,6 @@ def test_predict_writes_one_row_per_input_equal_to_evaluates_outputs(trained):
         assert (table.column("id").to_numpy()[order] == ids.numpy()).all()
         written = np.array(table.column("output").to_pylist())[order]
         np.testing.assert_allclose(written, expected, rtol=1e-5, atol=1e-6)
-    again = _run("predict", "--checkpoint", str(trained / "runs" / "diabetes"), "--parquet",
+    again = _refused("predict", "--checkpoint", str(trained / "runs" / "diabetes"), "--parquet",
                  str(data), "--output", str(trained / "predictions-1"), cwd=trained)
     assert again.returncode == 2 and "already holds" in again.stderr
