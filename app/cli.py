@@ -8,15 +8,10 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable
 
 from app.config import UserError
 from app.console import Console
-
-PROCESS_STARTED = time.time()
-"""About when the command started (this module is among its first imports): a run's timeline
-counts its start-up from here."""
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130

@@ -9,8 +9,8 @@ import argparse
 import sys
 import time
 
-from app import flags
-from app.cli import PROCESS_STARTED, HelpFormatter, Parser, run_main
+from app import PROCESS_STARTED, flags
+from app.cli import HelpFormatter, Parser, run_main
 from app.storage import storage_uri
 from app.config import (
     COMPILE_MODES,

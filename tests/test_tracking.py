@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -305,3 +308,24 @@ def test_a_record_read_while_it_is_rewritten_is_the_old_or_the_new_one_whole(tmp
     assert reads > 10
     assert sorted(path.name for path in (tmp_path / "run").iterdir()) == ["run.json"]
     assert (tmp_path / "run" / "run.json").stat().st_mode & 0o777 == 0o640
+
+
+_PROBE = """
+import os, time
+import app.train
+from app import PROCESS_STARTED
+with open("/proc/self/stat") as stat:  # field 22: the start, in clock ticks since boot
+    ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+with open("/proc/uptime") as uptime:
+    age = float(uptime.read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+print(age - (time.time() - PROCESS_STARTED))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads Linux's /proc")
+def test_a_runs_startup_counts_from_the_command_not_from_its_imports():
+    # A fresh interpreter, as `python -m app.train` is: its timeline's start is the process's
+    # own, not a moment after torch's import (1-2 s here).
+    result = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                            timeout=60, check=True)
+    assert float(result.stdout) < 0.3, "counted from after the imports"
