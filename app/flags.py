@@ -93,6 +93,15 @@ def resolve_task(args: argparse.Namespace, fill_defaults: bool = True) -> tuple[
     return reference, task
 
 
+def check_parquet_flags(args: argparse.Namespace) -> None:
+    """The flags that apply to --parquet data sets only, refused without one."""
+    if getattr(args, "parquet", None) is not None:
+        return
+    for flag in ("stream_data", "verify_data"):
+        if getattr(args, flag, False):
+            raise UserError(f"--{flag.replace('_', '-')} applies to --parquet data sets only")
+
+
 def resolve_data(
     args: argparse.Namespace, task: Task, console: Console, load: bool,
     global_batch_size: int | None = None,
@@ -125,9 +134,7 @@ def resolve_data(
         config = DataConfig(dataset=manifest.dataset, data_dir=args.data_dir,
                             parquet=manifest.uri, stream=getattr(args, "stream_data", False))
         return config, manifest
-    for flag in ("stream_data", "verify_data"):
-        if getattr(args, flag, False):
-            raise UserError(f"--{flag.replace('_', '-')} applies to --parquet data sets only")
+    check_parquet_flags(args)
     name = args.dataset or ""
     task.builder(name)  # an unknown name fails now, listing the task's data sets
     if name or not task.offline_fallback:

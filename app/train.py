@@ -214,6 +214,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                          task.name, dataset)
     resolved = None
     if args.parquet is None:
+        flags.check_parquet_flags(args)
         task.builder(args.dataset or "")  # an unknown data set is refused before Ray starts
     else:
         # A Parquet set's manifest and file footers are a few small reads: a set that is
