@@ -64,15 +64,16 @@ def test_the_best_checkpoint_is_the_lowest_validation_loss_and_evaluate_reproduc
     for name in ("val_loss", "val_mae"):
         assert scored[name] == pytest.approx(float(best[name]), rel=2e-3, abs=1e-5), name
 
-    foreign = _refused("evaluate", "--checkpoint", str(run), "--task", "mnist-convnet", cwd=trained)
+    foreign = _refused("evaluate", "--checkpoint", str(run), "--task", "mnist-convnet",
+                       cwd=trained)
     assert foreign.returncode == 2
     assert foreign.stderr.startswith("error: ") and "does not fit the model" in foreign.stderr
     assert len(foreign.stderr.strip().splitlines()) == 1
 
 
 def test_a_rerun_with_other_settings_is_refused_naming_each_and_allowed_changes_resume(trained):
-    refused = _refused("train", "--task", USER_TASK, "--name", "diabetes", "--global-batch-size",
-                   "64", "--lr", "0.02", cwd=trained)
+    refused = _refused("train", "--task", USER_TASK, "--name", "diabetes",
+                       "--global-batch-size", "64", "--lr", "0.02", cwd=trained)
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert "--global-batch-size 64 (the run has 32)" in refused.stderr
     assert "--lr 0.02 (the run has 0.01)" in refused.stderr
@@ -97,7 +98,7 @@ def test_a_changed_data_set_is_refused(tmp_path):
                  cwd=tmp_path)
     assert first.returncode == 0, first.stdout + first.stderr
     changed = _refused("train", "--dataset", "fashion-mnist", "--name", "digits-run",
-                   "--epochs", "2", cwd=tmp_path)
+                       "--epochs", "2", cwd=tmp_path)
     assert changed.returncode == 2
     assert "--dataset 'fashion-mnist' (the run has 'digits')" in changed.stderr
 
@@ -137,6 +138,7 @@ def test_predict_writes_one_row_per_input_equal_to_evaluates_outputs(trained):
         assert (table.column("id").to_numpy()[order] == ids.numpy()).all()
         written = np.array(table.column("output").to_pylist())[order]
         np.testing.assert_allclose(written, expected, rtol=1e-5, atol=1e-6)
-    again = _refused("predict", "--checkpoint", str(trained / "runs" / "diabetes"), "--parquet",
-                 str(data), "--output", str(trained / "predictions-1"), cwd=trained)
+    again = _refused("predict", "--checkpoint", str(trained / "runs" / "diabetes"),
+                     "--parquet", str(data), "--output", str(trained / "predictions-1"),
+                     cwd=trained)
     assert again.returncode == 2 and "already holds" in again.stderr
