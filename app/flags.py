@@ -93,20 +93,25 @@ def resolve_task(args: argparse.Namespace, fill_defaults: bool = True) -> tuple[
     return reference, task
 
 
-def check_parquet_flags(args: argparse.Namespace) -> None:
-    """The flags that apply to --parquet data sets only, refused without one."""
+def check_data_flags(args: argparse.Namespace, task: Task) -> None:
+    """Every check of the data flags that reads no data, made before a cluster starts (an
+    embedded one would take seconds to start and stop again around the refusal): the data set's
+    name, and the flags that apply to --parquet data sets only."""
     if getattr(args, "parquet", None) is not None:
+        if args.dataset is not None:
+            raise UserError("--dataset and --parquet both name a data set: give one of them")
         return
     for flag in ("stream_data", "verify_data"):
         if getattr(args, flag, False):
             raise UserError(f"--{flag.replace('_', '-')} applies to --parquet data sets only")
+    task.builder(args.dataset or "")  # an unknown name fails now, listing the task's data sets
 
 
 def resolve_data(
     args: argparse.Namespace, task: Task, console: Console, load: bool,
     global_batch_size: int | None = None,
 ) -> tuple[DataConfig, Manifest | None]:
-    """The data set to train on, checked.
+    """The data set to train on, checked (after ``check_data_flags``).
 
     ``--parquet``: the checked manifest (it must have been prepared for this task). Otherwise
     the task's data set ``--dataset`` (its default when not given), loaded now when ``load``
@@ -122,8 +127,6 @@ def resolve_data(
         from app import parquet
         from app.storage import storage_uri
 
-        if args.dataset is not None:
-            raise UserError("--dataset and --parquet both name a data set: give one of them")
         manifest = parquet.open_manifest(storage_uri(args.parquet, "--parquet"),
                                          verify=getattr(args, "verify_data", False))
         if manifest.task and manifest.task != task.name:
@@ -134,9 +137,7 @@ def resolve_data(
         config = DataConfig(dataset=manifest.dataset, data_dir=args.data_dir,
                             parquet=manifest.uri, stream=getattr(args, "stream_data", False))
         return config, manifest
-    check_parquet_flags(args)
     name = args.dataset or ""
-    task.builder(name)  # an unknown name fails now, listing the task's data sets
     if name or not task.offline_fallback:
         if load:
             train, _ = build_datasets(task, name, args.data_dir)

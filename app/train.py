@@ -212,11 +212,9 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         dataset = args.dataset or ("" if task.offline_fallback else task.default_dataset)
         _check_resumable(early, TrainConfig(task=reference, optim=optim, loop=loop),
                          task.name, dataset)
+    flags.check_data_flags(args, task)
     resolved = None
-    if args.parquet is None:
-        flags.check_parquet_flags(args)
-        task.builder(args.dataset or "")  # an unknown data set is refused before Ray starts
-    else:
+    if args.parquet is not None:
         # A Parquet set's manifest and file footers are a few small reads: a set that is
         # missing, incomplete or for another task is refused before a cluster starts (an
         # embedded one would take seconds to start and stop again around the error).

@@ -444,6 +444,7 @@ def _run(args, console: Console) -> int:
     if not args.resume and not args.show:
         _resolve_task(args)
         _check_grid(args)
+        flags.check_data_flags(args, args.task)
 
     from app import tracking
 

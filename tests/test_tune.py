@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import forkcli
 import pytest
@@ -16,6 +17,7 @@ import ray
 from localnet import free_port
 from localray import local_ray
 
+from app import tune
 from app.storage import UNREADABLE_SUFFIX
 
 pytestmark = pytest.mark.integration
@@ -197,6 +199,14 @@ def test_world_size_the_cluster_can_never_host_is_refused(tmp_path):
     assert "can never host 4 worker(s)" in result.stderr
     assert "Traceback" not in result.stderr
     assert time.monotonic() - started < 30
+
+
+def test_an_unknown_data_set_is_refused_before_a_cluster_starts(tmp_path, capsys):
+    started = AssertionError("a Ray cluster was started for a refused sweep")
+    with mock.patch("app.cluster.Connecting", side_effect=started):
+        assert tune.main(["--dataset", "nope", "--storage-path", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "has no data set 'nope'" in err, err
 
 
 def test_bad_sweep_flags_are_one_line_errors(tmp_path):
