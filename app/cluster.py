@@ -32,10 +32,31 @@ FAST_RECOVERY_SYSTEM_CONFIG = {
 }
 
 
-EMBEDDED_CLUSTER_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
-"""Set in the embedded cluster's processes: no node of it is ever drained, so Ray Train's
-preemption watcher (a process per worker group, switched by its controller's environment) has
-nothing to watch; see app.lean."""
+TRAIN_CONTROLLER_ENV = {
+    # The controller polls workers every 2 s by default, and takes in at most one report per
+    # poll: a lost worker, each epoch's report and the end of the run are seen sooner at 0.5 s.
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+    # A restart sized before Ray noticed a lost node (one that vanished without a word, until
+    # the health checks give up on it) waits for that node's share of the placement group;
+    # give up on it after 20 s (Ray's default 60 s) and size it again.
+    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20",
+}
+"""Ray Train's settings for its controller, which it reads from the environment of the process
+that fits (a run's driver, a sweep's trial) and passes on; a variable the user set wins."""
+
+
+EMBEDDED_CLUSTER_ENV = {
+    # No node of the embedded cluster is ever drained, so Ray Train's preemption watcher (a
+    # process per worker group, switched by its controller's environment) has nothing to
+    # watch; see app.lean.
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    # What Ray Train would give its controller in a runtime environment, inherited instead, so
+    # that the controller can take one of the Ray workers started with the cluster
+    # (``app.lean.run_controller``).
+    **TRAIN_CONTROLLER_ENV,
+    "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0",
+}
+"""Set in the embedded cluster's processes (a variable the user set is left as it is)."""
 
 
 _KV_NAMESPACE = "ray-elastic-train"
@@ -176,15 +197,32 @@ def _connect(address: str | None, verbose: bool) -> bool:
         return False
     # address="local" always starts a fresh cluster: a bare ray.init() would try to join whatever
     # /tmp/ray/ray_current_cluster names, even a cluster that is long gone.
+    global _embedded_environment
     with _embedded_cluster_environment(), lean_head(log_monitor=verbose):
+        inherited = dict(os.environ)
         ray.init(
             address="local",
             include_dashboard=False,
             _system_config=FAST_RECOVERY_SYSTEM_CONFIG,
             **options,
         )
+    _embedded_environment = (ray.get_runtime_context().gcs_address, inherited)
     internal_kv._internal_kv_put(_EMBEDDED_KEY, b"1", namespace=_KV_NAMESPACE)
     return True
+
+
+_embedded_environment: tuple[str, dict[str, str]] | None = None
+"""The GCS address of the embedded cluster this process last started, and the environment that
+its processes inherited."""
+
+
+def embedded_environment() -> dict[str, str] | None:
+    """The environment every process of the connected cluster inherited, when this process
+    started it (an embedded cluster; None otherwise, and in a sweep's trials)."""
+    if _embedded_environment is None or not ray.is_initialized():
+        return None
+    address, environment = _embedded_environment
+    return environment if ray.get_runtime_context().gcs_address == address else None
 
 
 @contextlib.contextmanager

@@ -108,6 +108,10 @@ class AppTorchTrainer(TorchTrainer):
             controller_init_kwargs["callbacks"].append(
                 AnnounceController(worker_config[PROGRESS_KEY])
             )
+        if self.embedded:
+            inherited = cluster.embedded_environment()
+            if inherited is not None and lean.controller_env().items() <= inherited.items():
+                return lean.run_controller(self, controller_init_kwargs)
         return super()._initialize_and_run_controller(**controller_init_kwargs)
 
 
@@ -252,15 +256,8 @@ def fit_watched(
     Raises UserError for the user's mistakes (also a worker's) and a watchdog's verdict, and
     RunFailed when training fails after its retries.
     """
-    # Ray Train forwards these variables from the process that fits to its controller (a
-    # single run's driver, or a sweep's trial). The controller polls workers every 2 s by
-    # default, and takes in at most one report per poll: a lost worker, each epoch's report and
-    # the end of the run are seen sooner at 0.5 s.
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-    # A restart sized before Ray noticed a lost node (one that vanished without a word, until
-    # the health checks give up on it) waits for that node's share of the placement group; give
-    # up on it after 20 s (Ray's default 60 s) and size it again.
-    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
+    for name, value in cluster.TRAIN_CONTROLLER_ENV.items():
+        os.environ.setdefault(name, value)
     with _ProgressPump(console) as pump:
         trainer = build(pump.queue)
         watch = ClusterWatch(workers, placement_timeout_s)

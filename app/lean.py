@@ -22,8 +22,18 @@ have nothing to do:
   ``app.cluster`` switches it off in the embedded cluster's environment, as Ray Train's
   controller reads it from there).
 
-And one thing added: each worker imports torch and its compiler from a thread while Ray Train
-sets it up (``ImportTorchEarly``), in the waits of that set-up instead of after it.
+And two things changed:
+
+- Each worker imports torch and its compiler from a thread while Ray Train sets it up
+  (``ImportTorchEarly``), in the waits of that set-up instead of after it.
+- On the embedded cluster the controller runs without a runtime environment
+  (``run_controller``). Ray Train gives it one only to pass on the driver's settings, and an
+  actor with a runtime environment of its own cannot take one of the Ray workers that the
+  cluster starts with the driver's job (already running, Ray imported and connected): Ray
+  starts it a new process, through the runtime-env agent, once the run is launched. The
+  embedded cluster's processes inherit those settings from the driver instead
+  (``app.cluster.EMBEDDED_CLUSTER_ENV``), and where the driver's differ (changed after the
+  cluster started) Ray Train's own way is taken.
 """
 
 from __future__ import annotations
@@ -43,11 +53,17 @@ from ray.train.constants import (
     DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
     TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
 )
+from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.callbacks.placement_group_callback import (
     PlacementGroupCleanerCallback,
 )
+from ray.train.v2._internal.constants import (
+    DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
+    get_env_vars_to_propagate,
+)
 from ray.train.v2._internal.execution.callback import WorkerCallback
+from ray.train.v2._internal.execution.controller import TrainController
 from ray.train.v2._internal.execution.scaling_policy.fixed import FixedScalingPolicy
 from ray.train.v2._internal.util import TrainingFramework
 
@@ -60,6 +76,32 @@ def needed_callbacks(callbacks: Sequence[Any], *, has_datasets: bool) -> list[An
     if not has_datasets:
         unneeded += (DatasetsCallback,)
     return [callback for callback in callbacks if not isinstance(callback, unneeded)]
+
+
+def controller_env() -> dict[str, str]:
+    """The variables Ray Train puts in its controller's runtime environment: those of the
+    fitting process's settings that it passes on, and its default for one more (ray 2.60,
+    ``DataParallelTrainer._initialize_and_run_controller``)."""
+    env = get_env_vars_to_propagate()
+    env.setdefault(RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
+                   DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)
+    return env
+
+
+def run_controller(trainer: Any, controller_init_kwargs: dict[str, Any]) -> ray.train.Result:
+    """``trainer._initialize_and_run_controller(**controller_init_kwargs)`` as Ray Train runs
+    it (the controller on the driver's node; Ctrl-C aborts it when fitting from the main
+    thread), but with no runtime environment: for a cluster whose processes already have
+    ``controller_env()`` in theirs."""
+    controller_cls = ray.remote(
+        num_cpus=0,
+        label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},
+    )(TrainController)
+    controller = controller_cls.remote(**controller_init_kwargs)
+    if threading.current_thread() is threading.main_thread():
+        trainer._register_sigint_handler(controller)
+    ray.get(controller.run.remote())
+    return ray.get(controller.get_result.remote())
 
 
 class ImportTorchEarly(WorkerCallback):
