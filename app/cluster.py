@@ -55,6 +55,10 @@ EMBEDDED_CLUSTER_ENV = {
     # (``app.lean.run_controller``).
     **TRAIN_CONTROLLER_ENV,
     "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0",
+    # Ray's workers import the controller's module (~0.5 s of CPU) as they start, so the one
+    # that becomes the controller has done it, beside the driver's preparation, before the run
+    # is launched. The training workers and the synchronisation actor import it anyway.
+    "RAY_preload_python_modules": "ray.train.v2._internal.execution.controller.controller",
 }
 """Set in the embedded cluster's processes (a variable the user set is left as it is)."""
 

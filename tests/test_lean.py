@@ -46,6 +46,10 @@ def _since_boot() -> float:
     return float(Path("/proc/uptime").read_text().split()[0])
 
 
+def _controller_module_imported() -> bool:
+    return "ray.train.v2._internal.execution.controller.controller" in sys.modules
+
+
 def _controller_fact(key: str) -> str:
     return internal_kv._internal_kv_get(f"controller-{key}".encode(),
                                         namespace="test-lean").decode()
@@ -80,6 +84,7 @@ def test_an_embedded_run_starts_only_the_actors_it_needs(tmp_path, monkeypatch):
             internal_kv._internal_kv_get(f"dynamo-at-build-{rank}".encode(), namespace="test-lean")
             for rank in range(2)
         ]
+        preloaded = ray.get(ray.remote(num_cpus=0)(_controller_module_imported).remote())
         # A setting changed after the cluster started is not in its processes' environment:
         # the controller then gets it the way Ray Train passes it, in a process of its own.
         monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.7")
@@ -109,6 +114,8 @@ def test_an_embedded_run_starts_only_the_actors_it_needs(tmp_path, monkeypatch):
     # settings for it.
     assert float(controller["started"]) < launched, (controller, launched)
     assert controller["interval"] == "0.5", controller
+    # Every Ray worker of the cluster imported the controller's module as it started.
+    assert preloaded
     assert changed["interval"] == "0.7", changed
     assert float(changed["started"]) > relaunched, (changed, relaunched)
     # Each worker had torch's compiler imported (from a thread, while Ray Train set it up) before
