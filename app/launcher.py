@@ -108,10 +108,10 @@ class AppTorchTrainer(TorchTrainer):
             controller_init_kwargs["callbacks"].append(
                 AnnounceController(worker_config[PROGRESS_KEY])
             )
-        if self.embedded:
-            inherited = cluster.embedded_environment()
-            if inherited is not None and lean.controller_env().items() <= inherited.items():
-                return lean.run_controller(self, controller_init_kwargs)
+        # Only where this process started the cluster (the settings its processes inherited).
+        inherited = cluster.embedded_environment()
+        if inherited is not None and lean.controller_env().items() <= inherited.items():
+            return lean.run_controller(self, controller_init_kwargs)
         return super()._initialize_and_run_controller(**controller_init_kwargs)
 
 
