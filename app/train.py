@@ -205,6 +205,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     if embedded:
         cluster.check_capacity(workers, nodes=cluster.local_resources())
     storage.check_storage(storage_path)
+    # A data set name the task does not have is that error, not a difference from a rerun's run.
+    flags.check_data_flags(args, task)
     if args.name is not None and args.parquet is None:
         # Before the data is loaded (or downloaded): a rerun with other settings is refused
         # now. The data set is compared once known when the task may fall back to another.
@@ -212,7 +214,6 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         dataset = args.dataset or ("" if task.offline_fallback else task.default_dataset)
         _check_resumable(early, TrainConfig(task=reference, optim=optim, loop=loop),
                          task.name, dataset)
-    flags.check_data_flags(args, task)
     resolved = None
     if args.parquet is not None:
         # A Parquet set's manifest and file footers are a few small reads: a set that is

@@ -101,6 +101,12 @@ def test_a_changed_data_set_is_refused(tmp_path):
                        "--epochs", "2", cwd=tmp_path)
     assert changed.returncode == 2
     assert "--dataset 'fashion-mnist' (the run has 'digits')" in changed.stderr
+    # A name that is no data set of the task is that error, not a difference from the run.
+    unknown = _refused("train", "--dataset", "nope", "--name", "digits-run", "--lr", "0.1",
+                       cwd=tmp_path)
+    assert unknown.returncode == 2
+    assert unknown.stderr.strip() == ("error: task mnist-convnet has no data set 'nope': "
+                                      "choose one of mnist, fashion-mnist, digits"), unknown.stderr
 
 
 def test_a_sweep_of_the_users_task_ranks_by_its_score(tmp_path):
