@@ -205,7 +205,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     if embedded:
         cluster.check_capacity(workers, nodes=cluster.local_resources())
     storage.check_storage(storage_path)
-    # A data set name the task does not have is that error, not a difference from a rerun's run.
+    # Before the rerun check: a data set the task does not have is reported as unknown, not as
+    # a difference from the earlier run.
     flags.check_data_flags(args, task)
     if args.name is not None and args.parquet is None:
         # Before the data is loaded (or downloaded): a rerun with other settings is refused
