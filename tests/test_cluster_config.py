@@ -135,6 +135,23 @@ def test_every_node_installs_the_pinned_versions(name):
     assert '"torch>=2.6"' in pyproject and '"pyarrow>=14.0.1"' in pyproject
 
 
+def test_readme_and_ci_install_the_pinned_versions_and_run_the_same_tests():
+    # A fresh install that dropped the constraints would resolve the newest releases, and the test
+    # above would fail only on the next upstream release; so the flag is checked where it is used.
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    readme_installs = [line for line in readme.splitlines() if "pip install" in line
+                       and "-e '.[test]'" in line and line.startswith("python3 -m venv")]
+    ci_installs = [line for line in ci.splitlines() if "pip_step install" in line and "-e" in line
+                   and "--no-deps" not in line]
+    assert len(readme_installs) == 2 and len(ci_installs) == 1
+    for line in readme_installs + ci_installs:
+        assert "-c cluster/constraints.txt" in line, line
+    readme_tests = readme_installs[1].split(".venv/bin/python -m pytest", 1)[1].strip()
+    ci_tests = [line for line in ci.splitlines() if line.startswith("python -m pytest")]
+    assert ci_tests == [f"python -m pytest {readme_tests} -p no:cacheprovider"]
+
+
 def test_no_credentials_in_cluster_files():
     for path in YAMLS.values():
         text = path.read_text().lower()
